@@ -1,0 +1,40 @@
+# nbd-verity: `make demo` and `make test` set everything up on first use.
+SHELL := /bin/bash
+VENV := $(CURDIR)/.venv
+PY := $(VENV)/bin/python
+DEB_PACKAGES := nbdkit nbdkit-plugin-python python3-libnbd libnbd-bin fio cryptsetup-bin \
+	nbd-client python3-venv nbdfuse fuse3 e2fsprogs util-linux openssl
+
+.PHONY: setup demo test lint bench-format clean
+
+setup: $(VENV)/.installed
+
+# Debian packages first (idempotent: apt only runs when one is missing), then the venv
+# from Debian's python3, which is the interpreter nbdkit embeds.
+$(VENV)/.installed: pyproject.toml
+	@missing=$$(for p in $(DEB_PACKAGES); do dpkg-query -W -f='$${Status}' $$p 2>/dev/null \
+		| grep -q 'install ok installed' || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+		echo "installing Debian packages:" $$missing; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
+	fi
+	@[ -x $(PY) ] || /usr/bin/python3 -m venv --system-site-packages $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	@touch $@
+
+demo: setup
+	$(PY) -m nbd_verity.demo $(CURDIR)/demo
+
+test: setup
+	$(PY) -m pytest tests
+
+lint: setup
+	$(PY) -m pip install -q ruff
+	$(VENV)/bin/ruff check nbd_verity tests plugin.py bench
+
+bench-format: setup
+	$(PY) bench/format.py
+
+clean:
+	rm -rf $(VENV) demo .pytest_cache .hypothesis

@@ -1,0 +1,243 @@
+"""Build a verity tree (`format`) and check a whole image offline (`verify`).
+
+Both stream: data is read in chunks and hashed by a small thread pool (hashlib releases
+the GIL, so both cores hash level 0 while the main thread reads ahead); upper levels are
+read back from the hash image level by level. Memory depends on the chunk size, not on
+the image size. The data image is only ever opened read-only.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from .digest import Digester
+from .errors import CorruptionError, DataCorruption, HashCorruption, ImageIOError
+from .geometry import TreeGeometry
+from .params import VerityParams
+
+CHUNK_SIZE = 8 << 20  # bytes of data per read; two halves hashed in parallel
+Progress = Callable[[int], None]  # called with bytes of data just processed
+
+
+def pread_exact(fd: int, size: int, offset: int, what: str) -> bytes:
+    """Read exactly size bytes or raise ImageIOError naming the image."""
+    chunks = []
+    got = 0
+    while got < size:
+        buf = os.pread(fd, size - got, offset + got)
+        if not buf:
+            raise ImageIOError(
+                f"{what}: image ends at byte {offset + got}, {offset + size} needed"
+            )
+        chunks.append(buf)
+        got += len(buf)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def open_ro(path: str) -> int:
+    try:
+        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as e:
+        raise ImageIOError(f"{path}: {e.strerror}") from None
+
+
+def data_slot_chunks(fd: int, geo: TreeGeometry, digester: Digester,
+                     progress: Progress | None = None,
+                     workers: int | None = None) -> Iterator[tuple[int, bytes]]:
+    """Yield (first data block, concatenated slots) for all data blocks, in order."""
+    workers = workers or min(4, os.cpu_count() or 1)
+    dbs = geo.data_block_size
+    per_chunk = max(1, CHUNK_SIZE // dbs)
+    per_part = -(-per_chunk // workers)
+    pending: deque = deque()
+    with ThreadPoolExecutor(workers, thread_name_prefix="hash") as pool:
+        for start in range(0, geo.data_blocks, per_chunk):
+            count = min(per_chunk, geo.data_blocks - start)
+            buf = pread_exact(fd, count * dbs, start * dbs, "data")
+            mv = memoryview(buf)
+            parts = [pool.submit(digester.slots_of, mv[p * dbs:(p + per_part) * dbs], dbs)
+                     for p in range(0, count, per_part)]
+            pending.append((start, count, parts))
+            if len(pending) > 2:  # keep reading ahead while the pool hashes
+                yield _finish(pending.popleft(), progress, dbs)
+        while pending:
+            yield _finish(pending.popleft(), progress, dbs)
+
+
+def _finish(item, progress: Progress | None, dbs: int) -> tuple[int, bytes]:
+    start, count, parts = item
+    slots = b"".join(f.result() for f in parts)
+    if progress:
+        progress(count * dbs)
+    return start, slots
+
+
+def pack_blocks(slots: bytes, geo: TreeGeometry) -> bytes:
+    """Lay slots into hash blocks: hpb slots each, the rest of each block zero."""
+    per_block = geo.hashes_per_block * geo.slot_size
+    if per_block == geo.hash_block_size:  # format 1: slots fill blocks exactly
+        tail = len(slots) % per_block
+        return slots + bytes(per_block - tail) if tail else slots
+    pad = bytes(geo.hash_block_size - per_block)
+    out = []
+    for off in range(0, len(slots), per_block):
+        piece = slots[off:off + per_block]
+        out.append(piece + bytes(per_block - len(piece)) + pad)
+    return b"".join(out)
+
+
+def level_blocks(fd: int, geo: TreeGeometry, level: int) -> Iterator[tuple[int, bytes]]:
+    """Yield (index in level, block bytes) for every block of one level, read in chunks."""
+    hbs = geo.hash_block_size
+    total = geo.level_blocks[level]
+    per_read = max(1, CHUNK_SIZE // hbs)
+    for first in range(0, total, per_read):
+        n = min(per_read, total - first)
+        buf = pread_exact(fd, n * hbs, (geo.level_start[level] + first) * hbs,
+                          f"hash level {level}")
+        for i in range(n):
+            yield first + i, buf[i * hbs:(i + 1) * hbs]
+
+
+def build_tree(data_path: str, hash_path: str, params: VerityParams,
+               progress: Progress | None = None) -> bytes:
+    """Write the superblock (unless disabled) and the tree; return the root digest."""
+    params.check()
+    geo, digester = params.geometry(), params.digester()
+    data_fd = open_ro(data_path)
+    try:
+        hash_fd = os.open(hash_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        os.close(data_fd)
+        raise ImageIOError(f"{hash_path}: {e.strerror}") from None
+    try:
+        if params.superblock:
+            os.pwrite(hash_fd, params.to_superblock().pack(), params.hash_offset)
+        if geo.levels == 0:  # one data block: its digest is the root
+            block = pread_exact(data_fd, geo.data_block_size, 0, "data")
+            os.ftruncate(hash_fd, max(os.fstat(hash_fd).st_size, geo.hash_image_size))
+            return digester.digest(block)
+        _write_level0(data_fd, hash_fd, geo, digester, progress)
+        for level in range(1, geo.levels):
+            slots = [digester.slot(b) for _, b in level_blocks(hash_fd, geo, level - 1)]
+            os.pwrite(hash_fd, pack_blocks(b"".join(slots), geo),
+                      geo.level_start[level] * geo.hash_block_size)
+        top = pread_exact(hash_fd, geo.hash_block_size,
+                          geo.level_start[-1] * geo.hash_block_size, "hash top level")
+        os.fsync(hash_fd)
+        return digester.digest(top)
+    finally:
+        os.close(data_fd)
+        os.close(hash_fd)
+
+
+def _write_level0(data_fd: int, hash_fd: int, geo: TreeGeometry, digester: Digester,
+                  progress: Progress | None) -> None:
+    """Hash all data blocks and write level 0 as whole hash blocks."""
+    per_block = geo.hashes_per_block * geo.slot_size
+    offset = geo.level_start[0] * geo.hash_block_size
+    carry = b""
+    for _, slots in data_slot_chunks(data_fd, geo, digester, progress):
+        slots = carry + slots
+        whole = len(slots) - len(slots) % per_block
+        carry = slots[whole:]
+        packed = pack_blocks(slots[:whole], geo)
+        os.pwrite(hash_fd, packed, offset)
+        offset += len(packed)
+    if carry:
+        os.pwrite(hash_fd, pack_blocks(carry, geo), offset)
+
+
+@dataclass
+class VerifyReport:
+    """What an offline verify found: the first bad blocks, and how many in all."""
+
+    bad: list[CorruptionError] = field(default_factory=list)
+    bad_count: int = 0
+    limit: int = 10
+
+    def add(self, error: CorruptionError) -> None:
+        self.bad_count += 1
+        if len(self.bad) < self.limit:
+            self.bad.append(error)
+
+    @property
+    def ok(self) -> bool:
+        return self.bad_count == 0
+
+
+def verify_image(data_path: str, hash_path: str, params: VerityParams, root: bytes,
+                 progress: Progress | None = None, limit: int = 10) -> VerifyReport:
+    """Check every hash block top-down from the root, then every data block."""
+    geo, digester = params.geometry(), params.digester()
+    report = VerifyReport(limit=limit)
+    data_fd, hash_fd = open_ro(data_path), open_ro(hash_path)
+    try:
+        if geo.hash_image_size > os.fstat(hash_fd).st_size:
+            raise ImageIOError(f"{hash_path}: hash image is {os.fstat(hash_fd).st_size} bytes,"
+                               f" its geometry needs {geo.hash_image_size}")
+        if geo.levels == 0:
+            if digester.digest(pread_exact(data_fd, geo.data_block_size, 0, "data")) != root:
+                report.add(DataCorruption(0))
+            return report
+        bad = _verify_hash_levels(hash_fd, geo, digester, root, report)
+        _verify_data(data_fd, hash_fd, geo, digester, bad, report, progress)
+        return report
+    finally:
+        os.close(data_fd)
+        os.close(hash_fd)
+
+
+def _verify_hash_levels(fd: int, geo: TreeGeometry, digester: Digester, root: bytes,
+                        report: VerifyReport) -> bytearray:
+    """Verify levels top-down; return the bad-block map of level 0 (1 = untrusted)."""
+    top = geo.levels - 1
+    top_block = pread_exact(fd, geo.hash_block_size,
+                            geo.level_start[top] * geo.hash_block_size, "hash top level")
+    parent_bad = bytearray(1)
+    if digester.digest(top_block) != root:
+        report.add(HashCorruption(geo.level_start[top], top))
+        parent_bad[0] = 1
+    for level in range(top - 1, -1, -1):
+        bad = bytearray(geo.level_blocks[level])
+        upper = level_blocks(fd, geo, level + 1)
+        current = (-1, b"")
+        for index, block in level_blocks(fd, geo, level):
+            parent_index = index >> geo.hpb_bits
+            if parent_bad[parent_index]:
+                bad[index] = 1  # untrusted, but only its bad ancestor is reported
+                continue
+            while current[0] != parent_index:
+                current = next(upper)
+            _, slot = geo.slot_of(level + 1, index)
+            want = current[1][slot:slot + digester.digest_size]
+            if digester.digest(block) != want:
+                bad[index] = 1
+                report.add(HashCorruption(geo.level_start[level] + index, level))
+        parent_bad = bad
+    return parent_bad
+
+
+def _verify_data(data_fd: int, hash_fd: int, geo: TreeGeometry, digester: Digester,
+                 bad_leaves: bytearray, report: VerifyReport,
+                 progress: Progress | None) -> None:
+    """Compare each data block's digest with its slot in a verified level-0 block."""
+    per_block = geo.hashes_per_block * geo.slot_size
+    leaves = level_blocks(hash_fd, geo, 0)
+    pending = b""
+    for first, slots in data_slot_chunks(data_fd, geo, digester, progress):
+        pending += slots
+        last = first + len(slots) // geo.slot_size == geo.data_blocks
+        while len(pending) >= per_block or (last and pending):
+            ours, pending = pending[:per_block], pending[per_block:]
+            leaf_index, leaf = next(leaves)
+            if bad_leaves[leaf_index] or leaf[:len(ours)] == ours:
+                continue  # a bad leaf is reported itself; its data cannot be judged
+            for j in range(len(ours) // geo.slot_size):
+                s = slice(j * geo.slot_size, j * geo.slot_size + digester.digest_size)
+                if ours[s] != leaf[s]:
+                    report.add(DataCorruption((leaf_index << geo.hpb_bits) + j))

@@ -1,0 +1,66 @@
+"""The one exception root of nbd-verity and its tree.
+
+    VerityError                 anything nbd-verity refuses, with a one-line message
+     ├── ConfigError            a bad option, plugin key or control value ("KEY: problem")
+     ├── FormatError            an image that is not a valid verity layout
+     │    └── SuperblockError   a superblock defect (magic, version, hash type, sizes)
+     ├── ImageIOError           an image that cannot be opened or read (missing, truncated)
+     └── CorruptionError        a block whose digest does not match the trusted tree
+          ├── DataCorruption    a data block (the kernel's "data block N is corrupted")
+          └── HashCorruption    a hash block ("metadata block N is corrupted")
+
+The library raises these; only the edges (CLI, nbdkit plugin, control socket) translate
+them into exit codes, errno values or error replies.
+"""
+
+
+class VerityError(Exception):
+    """Root of every error nbd-verity reports to a user."""
+
+
+class ConfigError(VerityError):
+    """An option, plugin key or control value that is missing or malformed."""
+
+
+class FormatError(VerityError):
+    """A hash image or geometry that is not a valid verity layout."""
+
+
+class SuperblockError(FormatError):
+    """A verity superblock that fails one of veritysetup's checks."""
+
+
+class ImageIOError(VerityError):
+    """An image that cannot be opened, or that is shorter than its geometry needs."""
+
+
+class CorruptionError(VerityError):
+    """A block whose digest does not match the trusted tree."""
+
+    kind = "block"
+
+    def __init__(self, block_index: int, detail: str = "") -> None:
+        self.block_index = block_index
+        self.detail = detail
+        super().__init__(self.describe())
+
+    def describe(self) -> str:
+        """The kernel's wording: '<kind> block N is corrupted'."""
+        text = f"{self.kind} block {self.block_index} is corrupted"
+        return f"{text} ({self.detail})" if self.detail else text
+
+
+class DataCorruption(CorruptionError):
+    """A data block whose digest differs from its verified level-0 slot."""
+
+    kind = "data"
+
+
+class HashCorruption(CorruptionError):
+    """A hash block whose digest differs from its verified parent slot (or the root)."""
+
+    kind = "metadata"
+
+    def __init__(self, block_index: int, level: int, detail: str = "") -> None:
+        self.level = level
+        super().__init__(block_index, detail or f"level {level}")

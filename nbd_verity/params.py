@@ -1,0 +1,146 @@
+"""The full description of one verity device, from a superblock or from options.
+
+VerityParams is what veritysetup's `struct crypt_params_verity` holds: format, algorithm,
+block sizes, data block count, salt, uuid, plus where the tree sits (hash offset, with or
+without a superblock). It builds the Digester and the TreeGeometry everything else uses.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid as uuidlib
+from dataclasses import dataclass, field, replace
+
+from .digest import Digester, normalize_algorithm
+from .errors import ConfigError, ImageIOError
+from .geometry import TreeGeometry, hash_start_block
+from .superblock import SUPERBLOCK_SIZE, Superblock, block_size_ok
+
+DEFAULT_SALT_SIZE = 32
+
+
+@dataclass(frozen=True)
+class VerityParams:
+    """Everything needed to build, read or verify one verity tree."""
+
+    data_blocks: int
+    hash_type: int = 1
+    algorithm: str = "sha256"
+    data_block_size: int = 4096
+    hash_block_size: int = 4096
+    salt: bytes = b""
+    uuid: bytes = field(default=bytes(16))
+    hash_offset: int = 0
+    superblock: bool = True
+
+    def check(self) -> VerityParams:
+        """Validate each field with its own message; return self."""
+        if self.hash_type not in (0, 1):
+            raise ConfigError(f"format: unsupported hash type {self.hash_type} (0 or 1)")
+        normalize_algorithm(self.algorithm)
+        for name, size in (("data-block-size", self.data_block_size),
+                           ("hash-block-size", self.hash_block_size)):
+            if not block_size_ok(size):
+                raise ConfigError(f"{name}: {size} is not a power of two from 512 to 524288")
+        if len(self.salt) > 256:
+            raise ConfigError(f"salt: {len(self.salt)} bytes exceeds the maximum of 256")
+        if self.hash_offset < 0 or self.hash_offset % 512:
+            raise ConfigError(f"hash-offset: {self.hash_offset} is not a multiple of 512")
+        self.geometry()  # raises on impossible sizes
+        return self
+
+    def digester(self) -> Digester:
+        return Digester(self.algorithm, self.salt, self.hash_type)
+
+    def geometry(self) -> TreeGeometry:
+        d = self.digester()
+        return TreeGeometry.from_params(
+            self.data_blocks, self.data_block_size, self.hash_block_size,
+            d.digest_size, d.slot_size,
+            hash_start_block(self.hash_offset, self.hash_block_size, self.superblock),
+        )
+
+    def to_superblock(self) -> Superblock:
+        return Superblock(version=1, hash_type=self.hash_type, uuid=self.uuid,
+                          algorithm=self.algorithm, data_block_size=self.data_block_size,
+                          hash_block_size=self.hash_block_size, data_blocks=self.data_blocks,
+                          salt=self.salt)
+
+    @property
+    def uuid_text(self) -> str:
+        return str(uuidlib.UUID(bytes=self.uuid))
+
+
+def parse_uuid(text: str) -> bytes:
+    """A UUID given as text, as veritysetup's --uuid takes it."""
+    try:
+        return uuidlib.UUID(text).bytes
+    except ValueError:
+        raise ConfigError(f"uuid: {text!r} is not a UUID") from None
+
+
+def random_salt() -> bytes:
+    return os.urandom(DEFAULT_SALT_SIZE)
+
+
+def random_uuid() -> bytes:
+    return uuidlib.uuid4().bytes
+
+
+def read_superblock(hash_path: str, hash_offset: int = 0) -> Superblock:
+    """Read and validate the superblock at hash_offset of the hash image."""
+    try:
+        with open(hash_path, "rb") as f:
+            f.seek(hash_offset)
+            buf = f.read(SUPERBLOCK_SIZE)
+    except OSError as e:
+        raise ImageIOError(f"{hash_path}: {e.strerror}") from None
+    if len(buf) < SUPERBLOCK_SIZE:
+        raise ImageIOError(
+            f"{hash_path}: too small to hold a superblock at offset {hash_offset}"
+        )
+    return Superblock.unpack(buf).validate()
+
+
+def params_from_superblock(sb: Superblock, hash_offset: int = 0) -> VerityParams:
+    """Parameters described by a valid superblock."""
+    return VerityParams(
+        data_blocks=sb.data_blocks, hash_type=sb.hash_type,
+        algorithm=normalize_algorithm(sb.algorithm), data_block_size=sb.data_block_size,
+        hash_block_size=sb.hash_block_size, salt=sb.salt, uuid=sb.uuid,
+        hash_offset=hash_offset, superblock=True,
+    ).check()
+
+
+def load_params(hash_path: str, options: dict, data_size: int | None = None) -> VerityParams:
+    """Parameters of an existing tree: from its superblock, or from options without one.
+
+    options holds what the user gave (None for unset): hash_type, algorithm,
+    data_block_size, hash_block_size, data_blocks, salt, hash_offset, no_superblock.
+    A superblock wins, but an option that contradicts it is an error, as it is a mistake.
+    """
+    hash_offset = options.get("hash_offset") or 0
+    if not options.get("no_superblock"):
+        params = params_from_superblock(read_superblock(hash_path, hash_offset), hash_offset)
+        for key, attr in (("hash_type", "hash_type"), ("algorithm", "algorithm"),
+                          ("data_block_size", "data_block_size"),
+                          ("hash_block_size", "hash_block_size"),
+                          ("data_blocks", "data_blocks"), ("salt", "salt")):
+            given = options.get(key)
+            if given is not None and given != getattr(params, attr):
+                option = key.replace("_", "-").replace("hash-type", "format")
+                raise ConfigError(
+                    f"{option}: {given!r} contradicts the superblock's {getattr(params, attr)!r}"
+                )
+        return params
+    given = {k: v for k, v in options.items() if v is not None and k in (
+        "hash_type", "algorithm", "data_block_size", "hash_block_size", "salt")}
+    if "algorithm" in given:
+        given["algorithm"] = normalize_algorithm(given["algorithm"])
+    params = VerityParams(data_blocks=1, hash_offset=hash_offset, superblock=False, **given)
+    blocks = options.get("data_blocks")
+    if blocks is None:
+        if data_size is None:
+            raise ConfigError("data-blocks: required with no-superblock")
+        blocks = data_size // params.data_block_size
+    return replace(params, data_blocks=blocks).check()
