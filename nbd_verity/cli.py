@@ -235,5 +235,7 @@ def dump_cmd(hash_image: str, hash_offset: int) -> None:
     print_header(hash_image, params)
 
 
+from . import cli_serve  # noqa: E402,F401  (registers `serve` on the group)
+
 if __name__ == "__main__":
     main()

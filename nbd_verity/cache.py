@@ -1,0 +1,67 @@
+"""Verified hash blocks, kept in memory so they are never re-read or re-checked.
+
+Policy (after dm-bufio's hash_verified flag and nbdkit's cache filter): only a block whose
+digest matched its slot in an already verified parent (or the root) is ever stored.
+Levels above 0 are small (a 1 TiB device with 4 KiB blocks and SHA-256 has 64 MiB of
+level 1) and are kept for the life of the server. Level 0 holds over 99% of the tree and
+lives in an LRU bounded by a byte budget, so memory does not grow with the device.
+
+The lock guards the two dictionaries and the LRU order; it is held only for dictionary
+operations, never during I/O or hashing. Counters are updated under the same lock.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+DEFAULT_CACHE_SIZE = 64 << 20  # bytes of level-0 blocks (covers 8 GiB of data at 4K/SHA-256)
+
+
+class HashBlockCache:
+    """Verified hash blocks by absolute block number; level 0 in a bounded LRU."""
+
+    def __init__(self, hash_block_size: int, cache_size: int = DEFAULT_CACHE_SIZE) -> None:
+        self.capacity = max(1, cache_size // hash_block_size)  # level-0 blocks kept
+        self._upper: dict[int, bytes] = {}
+        self._leaves: OrderedDict[int, bytes] = OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, block: int) -> bytes | None:
+        """A verified block, or None; counts a hit or a miss."""
+        with self._lock:
+            data = self._upper.get(block)
+            if data is None:
+                data = self._leaves.get(block)
+                if data is not None:
+                    self._leaves.move_to_end(block)
+            if data is None:
+                self.misses += 1
+            else:
+                self.hits += 1
+            return data
+
+    def contains(self, block: int) -> bool:
+        """Whether a block is cached, without touching the LRU order or the counters."""
+        with self._lock:
+            return block in self._upper or block in self._leaves
+
+    def put(self, block: int, level: int, data: bytes) -> None:
+        """Store a block that has just been verified."""
+        with self._lock:
+            if level > 0:
+                self._upper[block] = data
+                return
+            self._leaves[block] = data
+            self._leaves.move_to_end(block)
+            while len(self._leaves) > self.capacity:
+                self._leaves.popitem(last=False)
+
+    def reset_counters(self) -> None:
+        with self._lock:
+            self.hits = self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._upper) + len(self._leaves)

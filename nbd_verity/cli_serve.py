@@ -1,0 +1,58 @@
+"""`nbd-verity serve DATA HASH [ROOT_HASH]`: options forwarded to serve.exec_server."""
+
+from __future__ import annotations
+
+import click
+
+from .cli import _geometry_options, _tree_options, edge, main
+from .serve import exec_server, plugin_pairs
+
+
+@main.command("serve")
+@click.argument("data")
+@click.argument("hash_image", metavar="HASH")
+@click.argument("root_hash", required=False)
+@_geometry_options
+@click.option("--root-hash-file", default=None, help="Read the root hash (hex) from this file.")
+@click.option("--unix", default=None, metavar="PATH", help="Listen on this Unix socket.")
+@click.option("--port", type=click.IntRange(0, 65535), default=None, help="Listen on TCP port.")
+@click.option("--bind", default=None, metavar="ADDR", help="TCP address (default 127.0.0.1).")
+@click.option("--ignore-corruption", is_flag=True, help="Log corruption, return the data.")
+@click.option("--restart-on-corruption", is_flag=True,
+              help="Log corruption, then stop with status 75 so a supervisor restarts us.")
+@click.option("--ignore-zero-blocks", is_flag=True,
+              help="Blocks whose digest is the zero block's read as zeros, unhashed.")
+@click.option("--check-at-most-once", is_flag=True,
+              help="Verify each data block only the first time it is read.")
+@click.option("--cache-size", default=None, metavar="SIZE",
+              help="Bytes of verified level-0 hash blocks to keep (default 64M).")
+@click.option("--readahead/--no-readahead", default=True, help="Merkle readahead (default on).")
+@click.option("--threads", type=click.IntRange(1, 1024), default=None,
+              help="nbdkit worker threads per connection.")
+@click.option("--pid-file", default=None, metavar="PATH", help="nbdkit writes its pid here.")
+@click.option("--exit-with-parent", is_flag=True, help="Stop when the parent process exits.")
+@click.option("--verbose", "-v", is_flag=True, help="nbdkit debug messages.")
+@edge
+def serve_cmd(data, hash_image, root_hash, root_hash_file, unix, port, bind,
+              ignore_corruption, restart_on_corruption, ignore_zero_blocks,
+              check_at_most_once, cache_size, readahead, threads, pid_file,
+              exit_with_parent, verbose, **kw) -> None:
+    """Serve DATA over NBD, verifying every byte against HASH and ROOT_HASH."""
+    if ignore_corruption and restart_on_corruption:
+        raise click.UsageError("--ignore-corruption and --restart-on-corruption conflict")
+    mode = ("ignore-corruption" if ignore_corruption else
+            "restart-on-corruption" if restart_on_corruption else "eio")
+    tree = _tree_options(kw)
+    if tree["salt"] is not None:
+        tree["salt"] = tree["salt"].hex() or "-"
+    extra = {
+        "error-mode": mode,
+        "ignore-zero-blocks": "true" if ignore_zero_blocks else None,
+        "check-at-most-once": "true" if check_at_most_once else None,
+        "cache-size": cache_size,
+        "readahead": None if readahead else "false",
+    }
+    pairs = plugin_pairs(data, hash_image, root_hash, root_hash_file, tree, extra)
+    exec_server(pairs, {"unix": unix, "port": port, "bind": bind, "threads": threads,
+                        "pid_file": pid_file, "exit_with_parent": exit_with_parent,
+                        "verbose": verbose})

@@ -1,0 +1,113 @@
+"""Glue between nbdkit's callbacks and the verifier: one Device, one Connection per client.
+
+plugin.py calls these functions and translates their exceptions into errno values. This
+module does not import nbdkit, so it also runs (and is tested) outside nbdkit; the few
+nbdkit services it needs (shutdown, export name, peer pid) are passed in by plugin.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from .blocks import block_span
+from .cache import HashBlockCache
+from .cli_common import root_digest
+from .config import ServerConfig
+from .errors import ConfigError, CorruptionError, ImageIOError
+from .params import load_params
+from .source import ImageFile
+from .verifier import Verifier, VerifyOptions, log
+
+EXIT_RESTART = 75  # exit status after restart-on-corruption (EX_TEMPFAIL): supervisor restarts
+
+
+@dataclass
+class Hooks:
+    """nbdkit services, provided by plugin.py (no-ops outside nbdkit)."""
+
+    shutdown: Callable[[], None] = lambda: None
+
+
+class Device:
+    """One verified export: images, parameters, cache and verifier."""
+
+    def __init__(self, config: ServerConfig, hooks: Hooks | None = None) -> None:
+        self.config = config
+        self.hooks = hooks or Hooks()
+        self.restart_requested = False
+        self.data = ImageFile(config.data, "data")
+        self.hashes = ImageFile(config.hash, "hash")
+        self.params = load_params(config.hash, config.tree, self.data.size())
+        self.geo = self.params.geometry()
+        root = root_digest(config.root_hash, self.params.digester().digest_size)
+        self._check_sizes()
+        if config.check_at_most_once and self.geo.data_blocks > 2**31 - 1:
+            raise ConfigError("check-at-most-once: more than INT_MAX data blocks")
+        self.cache = HashBlockCache(self.geo.hash_block_size, config.cache_size)
+        options = VerifyOptions(config.mode, config.ignore_zero_blocks,
+                                config.check_at_most_once)
+        self.verifier = Verifier(self.params, self.data, self.hashes, root, self.cache,
+                                 options, on_restart=self._restart)
+        try:
+            self.verifier.check_root()
+        except CorruptionError as e:
+            raise ConfigError(f"root-hash: does not match the top of the tree ({e}): wrong "
+                              f"root hash, or a corrupted hash image") from None
+
+    def _check_sizes(self) -> None:
+        """Refuse images smaller than the geometry at start-up (later truncation → EIO)."""
+        need = self.geo.data_size
+        if self.data.size() < need:
+            raise ImageIOError(f"data: {self.config.data} is {self.data.size()} bytes, the "
+                               f"tree covers {need}")
+        if self.hashes.size() < self.geo.hash_image_size:
+            raise ImageIOError(f"hash: {self.config.hash} is {self.hashes.size()} bytes, its "
+                               f"geometry needs {self.geo.hash_image_size}")
+
+    @property
+    def size(self) -> int:
+        return self.geo.data_size
+
+    def _restart(self) -> None:
+        """restart-on-corruption: stop serving; the exit status asks for a restart."""
+        if not self.restart_requested:
+            self.restart_requested = True
+            log("restart-on-corruption: shutting the server down")
+            self.hooks.shutdown()
+
+    def close(self) -> None:
+        self.data.close()
+        self.hashes.close()
+
+
+class Connection:
+    """Per-client state: where the last read ended (for sequential readahead)."""
+
+    def __init__(self, device: Device) -> None:
+        self.device = device
+        self.last_end = -1
+
+    def read(self, buf: memoryview, offset: int) -> None:
+        """Verified read of len(buf) bytes at offset, with Merkle readahead."""
+        device = self.device
+        cfg = device.config
+        length = len(buf)
+        if length == 0:
+            return
+        if cfg.readahead and (length >= cfg.readahead_min_size or offset == self.last_end):
+            first, blocks = block_span(offset, length, device.geo.data_block_size)
+            device.verifier.prefetch(first, blocks + blocks // 4)
+        self.last_end = offset + length
+        try:
+            device.verifier.read(buf, offset)
+        except ImageIOError as e:
+            device.verifier.counters.add(io_errors=1)
+            log(str(e))
+            raise
+
+    def cache(self, count: int, offset: int) -> None:
+        """NBD_CMD_CACHE: verify and cache the hash blocks of a range."""
+        if count:
+            first, blocks = block_span(offset, count, self.device.geo.data_block_size)
+            self.device.verifier.prefetch(first, blocks)

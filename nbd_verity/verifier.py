@@ -1,0 +1,254 @@
+"""Verify byte ranges of the data image against the trusted tree, as dm-verity does.
+
+Trust flows down only: the root digest is trusted; a hash block is used only after its
+digest matched its slot in a verified parent (recursively up to the root), and is then
+kept in the HashBlockCache and never re-read (no check/use gap). A data block is read
+straight into the buffer that will be sent, hashed there, and compared with its slot in
+a verified level-0 block [kernel verity_hash_for_block, verity_verify_io]. On a data
+mismatch the block is re-read once into a private buffer (the kernel's verity_recheck)
+before it counts as corrupt. What happens next depends on the error mode (SPEC §2.6).
+Merkle readahead (fs-verity) fetches many level-0 blocks in one read and verifies them.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from .blocks import split_request
+from .cache import HashBlockCache
+from .errors import CorruptionError, DataCorruption, HashCorruption, ImageIOError
+from .params import VerityParams
+from .source import ImageFile
+
+MODES = ("eio", "ignore-corruption", "restart-on-corruption")
+MAX_LOGGED_ERRORS = 100  # the kernel's DM_VERITY_MAX_CORRUPTED_ERRS
+
+
+@dataclass(frozen=True)
+class VerifyOptions:
+    """dm-verity's optional behaviours (SPEC §2.1)."""
+
+    mode: str = "eio"
+    ignore_zero_blocks: bool = False
+    check_at_most_once: bool = False
+
+
+class Counters:
+    """Totals kept for the control socket: updated under one short lock."""
+
+    FIELDS = ("data_blocks_verified", "hash_reads", "hash_blocks_read", "corruptions",
+              "readaheads", "io_errors")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.started = time.monotonic()
+        self.corrupted = False  # status 'C' once any corruption was seen; never cleared
+        self.reset()
+
+    def reset(self) -> None:
+        with self._lock:
+            for name in self.FIELDS:
+                setattr(self, name, 0)
+
+    def add(self, **amounts: int) -> None:
+        with self._lock:
+            for name, amount in amounts.items():
+                setattr(self, name, getattr(self, name) + amount)
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return {name: getattr(self, name) for name in self.FIELDS}
+
+    @property
+    def status(self) -> str:
+        """'V' while every check passed, 'C' after a corruption (as dmsetup status)."""
+        return "C" if self.corrupted else "V"
+
+
+def log(message: str) -> None:
+    """One line on nbdkit's stderr (the terminal in -f mode, the journal under systemd)."""
+    sys.stderr.write(f"nbd-verity: {message}\n")
+    sys.stderr.flush()
+
+
+class Verifier:
+    """Reads and verifies data ranges of one verity device."""
+
+    def __init__(self, params: VerityParams, data: ImageFile, hashes: ImageFile, root: bytes,
+                 cache: HashBlockCache, options: VerifyOptions = VerifyOptions(),
+                 on_restart: Callable[[], None] | None = None) -> None:
+        self.params = params
+        self.geo = params.geometry()
+        self.digester = params.digester()
+        self.data, self.hashes, self.root = data, hashes, root
+        self.cache, self.options = cache, options
+        self.on_restart = on_restart
+        self.counters = Counters()
+        dbs = self.geo.data_block_size
+        self._zero_block = bytes(dbs)
+        self.zero_digest = (self.digester.digest(self._zero_block)
+                            if options.ignore_zero_blocks else None)
+        self._verified_bitmap = (bytearray((self.geo.data_blocks + 7) // 8)
+                                 if options.check_at_most_once else None)
+
+    # -- start-up ---------------------------------------------------------------------
+
+    def check_root(self) -> None:
+        """Verify the top of the tree against the root hash; raise if it does not match."""
+        if self.geo.levels == 0:
+            block = self.data.read(self.geo.data_block_size, 0)
+            if self.digester.digest(block) != self.root:
+                raise DataCorruption(0, "does not match the root hash")
+            return
+        top = self.geo.levels - 1
+        self._hash_block(top, 0, strict=True)
+
+    # -- hash blocks ------------------------------------------------------------------
+
+    def _hash_block(self, level: int, index: int, strict: bool = False) -> bytes:
+        """The verified hash block `index` of `level`, from the cache or checked now."""
+        block = self.geo.level_start[level] + index
+        data = self.cache.get(block)
+        if data is not None:
+            return data
+        hbs = self.geo.hash_block_size
+        data = bytes(self.hashes.read(hbs, block * hbs))
+        self.counters.add(hash_reads=1, hash_blocks_read=1)
+        want = self._wanted_for_hash_block(level, index)
+        if self.digester.digest(data) == want:
+            self.cache.put(block, level, data)
+            return data
+        error = HashCorruption(block, level)
+        if strict:
+            raise error
+        self._corruption(error)
+        return data  # ignore-corruption: used, but never cached as verified
+
+    def _wanted_for_hash_block(self, level: int, index: int) -> bytes:
+        """The trusted digest a hash block must have: the root, or its parent's slot."""
+        if level == self.geo.levels - 1:
+            return self.root
+        parent = self._hash_block(level + 1, index >> self.geo.hpb_bits)
+        _, offset = self.geo.slot_of(level + 1, index)
+        return parent[offset:offset + self.digester.digest_size]
+
+    def prefetch(self, first_block: int, blocks: int) -> int:
+        """Merkle readahead: read the level-0 blocks for these data blocks in one read,
+        verify each against its parent and cache it. Returns how many were added."""
+        geo = self.geo
+        if geo.levels == 0 or blocks <= 0:
+            return 0
+        last_leaf = geo.level_blocks[0] - 1
+        lo = first_block >> geo.hpb_bits
+        hi = min((first_block + blocks - 1) >> geo.hpb_bits, last_leaf)
+        start = geo.level_start[0]
+        while lo <= hi and self.cache.contains(start + lo):  # trim cached ends
+            lo += 1
+        while hi >= lo and self.cache.contains(start + hi):
+            hi -= 1
+        if lo > hi:
+            return 0
+        hbs = geo.hash_block_size
+        try:
+            run = self.hashes.read((hi - lo + 1) * hbs, (start + lo) * hbs)
+        except ImageIOError:
+            return 0  # readahead is a hint; the read itself will report the problem
+        self.counters.add(hash_reads=1, hash_blocks_read=hi - lo + 1, readaheads=1)
+        added = 0
+        for index in range(lo, hi + 1):
+            if self.cache.contains(start + index):
+                continue
+            data = bytes(run[(index - lo) * hbs:(index - lo + 1) * hbs])
+            try:
+                want = self._wanted_for_hash_block(0, index)
+            except (CorruptionError, ImageIOError):
+                return added
+            if self.digester.digest(data) == want:
+                self.cache.put(start + index, 0, data)
+                added += 1
+        return added
+
+    # -- data -------------------------------------------------------------------------
+
+    def read(self, buf: memoryview, offset: int) -> None:
+        """Fill buf with verified bytes of the device at offset (any alignment)."""
+        dbs = self.geo.data_block_size
+        for seg in split_request(offset, len(buf), dbs):
+            if seg.whole:
+                target = buf[seg.buf_offset:seg.buf_offset + seg.length]
+                self.data.read_into(target, seg.first_block * dbs)
+                self._verify_blocks(target, seg.first_block, seg.blocks)
+            else:
+                scratch = memoryview(bytearray(dbs))
+                self.data.read_into(scratch, seg.first_block * dbs)
+                self._verify_blocks(scratch, seg.first_block, 1)
+                buf[seg.buf_offset:seg.buf_offset + seg.length] = (
+                    scratch[seg.skip:seg.skip + seg.length])
+
+    def _verify_blocks(self, mv: memoryview, first: int, count: int) -> None:
+        """Check `count` consecutive data blocks held in mv (in place)."""
+        geo, d = self.geo, self.digester
+        dbs, bits, mask = geo.data_block_size, geo.hpb_bits, (1 << geo.hpb_bits) - 1
+        slot, size = geo.slot_size, d.digest_size
+        base, salt, v0 = d._base, d.salt, d.hash_type == 0
+        bitmap, zero = self._verified_bitmap, self.zero_digest
+        leaf_index, leaf = -1, b""
+        checked = 0
+        for i in range(count):
+            block = first + i
+            if bitmap is not None and bitmap[block >> 3] & (1 << (block & 7)):
+                continue
+            if geo.levels == 0:
+                want = self.root
+            else:
+                if block >> bits != leaf_index:
+                    leaf_index = block >> bits
+                    leaf = self._hash_block(0, leaf_index)
+                offset = (block & mask) * slot
+                want = leaf[offset:offset + size]
+            piece = mv[i * dbs:(i + 1) * dbs]
+            if zero is not None and want == zero:
+                piece[:] = self._zero_block  # the kernel returns zeros without hashing
+                continue
+            h = base.copy()
+            h.update(piece)
+            if v0:
+                h.update(salt)
+            checked += 1
+            if h.digest() != want and not self._recheck(block, piece, want):
+                self._corruption(DataCorruption(block))
+                continue
+            if bitmap is not None:
+                bitmap[block >> 3] |= 1 << (block & 7)
+        self.counters.add(data_blocks_verified=checked)
+
+    def _recheck(self, block: int, piece: memoryview, want: bytes) -> bool:
+        """Re-read a mismatching block privately; if it now matches, use that copy."""
+        dbs = self.geo.data_block_size
+        fresh = self.data.read(dbs, block * dbs)
+        if self.digester.digest(fresh) != want:
+            return False
+        piece[:] = fresh
+        return True
+
+    # -- errors -----------------------------------------------------------------------
+
+    def _corruption(self, error: CorruptionError) -> None:
+        """Count and log a corruption, then act on it as the error mode says."""
+        counters = self.counters
+        counters.corrupted = True
+        counters.add(corruptions=1)
+        seen = counters.corruptions
+        if seen <= MAX_LOGGED_ERRORS:
+            log(str(error))
+        if seen == MAX_LOGGED_ERRORS:
+            log("reached maximum errors; further corruptions are counted, not logged")
+        if self.options.mode == "ignore-corruption":
+            return
+        if self.options.mode == "restart-on-corruption" and self.on_restart:
+            self.on_restart()
+        raise error

@@ -1,0 +1,114 @@
+"""nbdkit entry point for nbd-verity: `nbdkit python /abs/path/plugin.py data=... hash=...`.
+
+It finds the nbd_verity package through PYTHONPATH (which `nbd-verity serve` sets to the
+project's install). Every callback is a few lines that delegate to nbd_verity.server and
+translate errors: corruption and I/O errors become EIO via nbdkit.set_error.
+"""
+
+import ctypes
+import errno
+import os
+import sys
+import traceback
+
+import nbdkit
+
+from nbd_verity import server
+from nbd_verity.config import ConfigBuilder
+from nbd_verity.errors import CorruptionError, ImageIOError, VerityError
+
+API_VERSION = 2
+
+_builder = ConfigBuilder()
+_device = None
+_format_exception = traceback.format_exception
+
+
+def _one_line(exc, value=None, tb=None, **kwargs):
+    """nbdkit prints a callback's exception with traceback.format_exception: show our
+    own errors as their one-line message, and anything else in full."""
+    error = value if value is not None else exc
+    if isinstance(error, VerityError):
+        return [str(error)]
+    return _format_exception(exc, value, tb, **kwargs)
+
+
+traceback.format_exception = _one_line
+
+
+def _peer_pid():
+    """nbdkit_peer_pid() of the current connection (-1 when unknown); Python lacks it."""
+    try:
+        return ctypes.CDLL(None).nbdkit_peer_pid()
+    except (AttributeError, OSError):
+        return -1
+
+
+def thread_model():
+    return nbdkit.THREAD_MODEL_PARALLEL
+
+
+def config(key, value):
+    _builder.add(key, value)
+
+
+def config_complete():
+    global _config
+    _config = _builder.build()
+
+
+def get_ready():
+    global _device
+    _device = server.Device(_config, server.Hooks(shutdown=nbdkit.shutdown))
+
+
+def after_fork():
+    pass
+
+
+def cleanup():
+    if _device is not None:
+        _device.close()
+        if _device.restart_requested:
+            sys.stderr.flush()
+            os._exit(server.EXIT_RESTART)
+
+
+def open(readonly):
+    return server.Connection(_device)
+
+
+def get_size(h):
+    return _device.size
+
+
+def block_size(h):
+    return (1, _device.geo.data_block_size, 32 * 1024 * 1024)
+
+
+def can_write(h):
+    return False
+
+
+def can_multi_conn(h):
+    return True
+
+
+def can_cache(h):
+    return nbdkit.CACHE_NATIVE
+
+
+def is_rotational(h):
+    return False
+
+
+def pread(h, buf, offset, flags):
+    try:
+        h.read(memoryview(buf), offset)
+    except (CorruptionError, ImageIOError):
+        nbdkit.set_error(errno.EIO)
+        raise
+
+
+def cache(h, count, offset, flags):
+    h.cache(count, offset)
