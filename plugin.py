@@ -15,7 +15,7 @@ import nbdkit
 
 from nbd_verity import server
 from nbd_verity.config import ConfigBuilder
-from nbd_verity.errors import CorruptionError, ImageIOError, VerityError
+from nbd_verity.errors import ConfigError, CorruptionError, ImageIOError, VerityError
 
 API_VERSION = 2
 
@@ -59,11 +59,13 @@ def config_complete():
 
 def get_ready():
     global _device
-    _device = server.Device(_config, server.Hooks(shutdown=nbdkit.shutdown))
+    hooks = server.Hooks(shutdown=nbdkit.shutdown, export_name=nbdkit.export_name,
+                         peer_pid=_peer_pid)
+    _device = server.Device(_config, hooks)
 
 
 def after_fork():
-    pass
+    _device.start_threads()
 
 
 def cleanup():
@@ -75,7 +77,11 @@ def cleanup():
 
 
 def open(readonly):
-    return server.Connection(_device)
+    try:
+        return server.Connection.open(_device)
+    except ConfigError:  # an unknown class in the export name
+        nbdkit.set_error(errno.EINVAL)
+        raise
 
 
 def get_size(h):

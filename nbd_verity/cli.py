@@ -18,7 +18,8 @@ from . import builder
 from .digest import parse_salt
 from .errors import ConfigError, VerityError
 from .params import (VerityParams, load_params, parse_uuid, random_salt, random_uuid,
-                     read_superblock)
+                     read_params)
+from .superblock import block_size_ok
 
 EXIT_CORRUPT = 1  # verify found corruption
 EXIT_ERROR = 2  # bad input: options, files, formats
@@ -126,7 +127,8 @@ def print_header(hash_path: str, params: VerityParams, root: bytes | None = None
     ]
     if root is not None:
         lines.append(f"Root hash:      \t{root.hex()}")
-    lines.append(f"Hash device size: \t{geo.hash_image_size} [bytes]")
+    if params.hash_offset == 0:  # as veritysetup: dump cannot know the offsets otherwise
+        lines.append(f"Hash device size: \t{geo.hash_image_size} [bytes]")
     click.echo("\n".join(lines))
 
 
@@ -162,12 +164,8 @@ def format_cmd(data: str, hash_image: str, uuid: str | None, root_hash_file: str
     size = data_size_of(data)
     dbs = opts["data_block_size"] or 4096
     blocks = opts["data_blocks"] if opts["data_blocks"] is not None else size // dbs
-    if opts["data_blocks"] is None and size % dbs:
-        click.echo(f"nbd-verity: warning: {data}: the last {size % dbs} bytes are not a whole "
-                   f"block and are not protected", err=True)
-    if blocks * dbs > size:
-        raise ConfigError(f"data-blocks: {blocks} blocks of {dbs} bytes exceed {data} "
-                          f"({size} bytes)")
+    if opts["data_blocks"] is None and blocks == 0 and block_size_ok(dbs):
+        raise ConfigError(f"{data}: {size} bytes, less than one {dbs}-byte data block")
     params = VerityParams(
         data_blocks=blocks,
         hash_type=1 if opts["hash_type"] is None else opts["hash_type"],
@@ -177,7 +175,13 @@ def format_cmd(data: str, hash_image: str, uuid: str | None, root_hash_file: str
         uuid=parse_uuid(uuid) if uuid else random_uuid(),
         hash_offset=opts["hash_offset"] or 0, superblock=not opts["no_superblock"],
     ).check()
+    if blocks * dbs > size:
+        raise ConfigError(f"data-blocks: {blocks} blocks of {dbs} bytes exceed {data} "
+                          f"({size} bytes)")
     _check_overlap(data, hash_image, params)
+    if opts["data_blocks"] is None and size % dbs:  # warn only once the options are valid
+        click.echo(f"nbd-verity: warning: {data}: the last {size % dbs} bytes are not a whole "
+                   f"block and are not protected", err=True)
     with progress_bar(params.data_blocks * dbs, "Hashing") as update:
         root = builder.build_tree(data, hash_image, params, update)
     print_header(hash_image, params, root)
@@ -230,12 +234,10 @@ def verify_cmd(data: str, hash_image: str, root_hash: str | None,
 @edge
 def dump_cmd(hash_image: str, hash_offset: int) -> None:
     """Print the superblock of HASH as veritysetup dump does."""
-    from .params import params_from_superblock
-    params = params_from_superblock(read_superblock(hash_image, hash_offset), hash_offset)
-    print_header(hash_image, params)
+    print_header(hash_image, read_params(hash_image, hash_offset))
 
 
-from . import cli_serve  # noqa: E402,F401  (registers `serve` on the group)
+from . import cli_ctl, cli_serve  # noqa: E402,F401  (register `serve` and `ctl`)
 
 if __name__ == "__main__":
     main()

@@ -32,11 +32,22 @@ from .serve import exec_server, plugin_pairs
 @click.option("--pid-file", default=None, metavar="PATH", help="nbdkit writes its pid here.")
 @click.option("--exit-with-parent", is_flag=True, help="Stop when the parent process exits.")
 @click.option("--verbose", "-v", is_flag=True, help="nbdkit debug messages.")
+@click.option("--control", default=None, metavar="PATH",
+              help="Control socket for `nbd-verity ctl` (created 0600).")
+@click.option("--threshold", "thresholds", multiple=True, metavar="CLASS=BYTES",
+              help="Inline threshold of one I/O class (none, rt, be, idle); repeatable.")
+@click.option("--threshold-preset", default=None, metavar="NAME",
+              help="Start from a preset table: default (4096 each) or kernel.")
+@click.option("--workers", type=click.IntRange(0, 256), default=None,
+              help="Verification pool threads (default: number of CPUs).")
+@click.option("--default-class", default=None, metavar="CLASS",
+              help="Class of connections that name none (default be).")
 @edge
 def serve_cmd(data, hash_image, root_hash, root_hash_file, unix, port, bind,
               ignore_corruption, restart_on_corruption, ignore_zero_blocks,
               check_at_most_once, cache_size, readahead, threads, pid_file,
-              exit_with_parent, verbose, **kw) -> None:
+              exit_with_parent, verbose, control, thresholds, threshold_preset, workers,
+              default_class, **kw) -> None:
     """Serve DATA over NBD, verifying every byte against HASH and ROOT_HASH."""
     if ignore_corruption and restart_on_corruption:
         raise click.UsageError("--ignore-corruption and --restart-on-corruption conflict")
@@ -51,6 +62,11 @@ def serve_cmd(data, hash_image, root_hash, root_hash_file, unix, port, bind,
         "check-at-most-once": "true" if check_at_most_once else None,
         "cache-size": cache_size,
         "readahead": None if readahead else "false",
+        "control": control,
+        "threshold": list(thresholds),
+        "threshold-preset": threshold_preset,
+        "workers": workers,
+        "default-class": default_class,
     }
     pairs = plugin_pairs(data, hash_image, root_hash, root_hash_file, tree, extra)
     exec_server(pairs, {"unix": unix, "port": port, "bind": bind, "threads": threads,

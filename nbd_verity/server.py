@@ -7,13 +7,17 @@ nbdkit services it needs (shutdown, export name, peer pid) are passed in by plug
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable
 
 from .blocks import block_span
 from .cache import HashBlockCache
 from .cli_common import root_digest
-from .config import ServerConfig
+from .config import ServerConfig, parse_size
+from .control import Control, ControlServer
+from .dispatch import Dispatcher, preset, table_dict, updated_table
+from .ioprio import CLASSES, class_index, connection_class
 from .errors import ConfigError, CorruptionError, ImageIOError
 from .params import load_params
 from .source import ImageFile
@@ -27,6 +31,8 @@ class Hooks:
     """nbdkit services, provided by plugin.py (no-ops outside nbdkit)."""
 
     shutdown: Callable[[], None] = lambda: None
+    export_name: Callable[[], str] = lambda: ""
+    peer_pid: Callable[[], int] = lambda: -1
 
 
 class Device:
@@ -54,6 +60,20 @@ class Device:
         except CorruptionError as e:
             raise ConfigError(f"root-hash: does not match the top of the tree ({e}): wrong "
                               f"root hash, or a corrupted hash image") from None
+        table = updated_table(preset(config.threshold_preset), {
+            name: _threshold_value(name, value) for name, value in config.thresholds.items()})
+        self.default_class = class_index(config.default_class, "default-class")
+        self.dispatcher = Dispatcher(self.verifier.read, self.geo.data_block_size, table,
+                                     config.workers)
+        self.control = (ControlServer(config.control, Control(self))
+                        if config.control else None)
+        self.started = time.monotonic()
+
+    def start_threads(self) -> None:
+        """Start the pool and the control thread (in nbdkit's after_fork)."""
+        self.dispatcher.start()
+        if self.control is not None:
+            self.control.start()
 
     def _check_sizes(self) -> None:
         """Refuse images smaller than the geometry at start-up (later truncation → EIO)."""
@@ -76,17 +96,58 @@ class Device:
             log("restart-on-corruption: shutting the server down")
             self.hooks.shutdown()
 
+    def stats(self) -> dict:
+        """Everything the control socket's `stats` reports."""
+        totals = self.verifier.counters.snapshot()
+        totals.update(cache_hits=self.cache.hits, cache_misses=self.cache.misses,
+                      cached_hash_blocks=len(self.cache))
+        return {"classes": self.dispatcher.stats.snapshot(), "totals": totals,
+                **self.status(), "thresholds": table_dict(self.dispatcher.table),
+                "workers": self.dispatcher.workers,
+                "chunk_size": self.dispatcher.chunk_size}
+
+    def reset_stats(self) -> None:
+        self.verifier.counters.reset()
+        self.cache.reset_counters()
+        self.dispatcher.stats.reset()
+
+    def status(self) -> dict:
+        counters = self.verifier.counters
+        return {"status": counters.status, "corruptions": counters.corruptions,
+                "uptime_s": round(time.monotonic() - self.started, 3),
+                "mode": self.config.mode}
+
     def close(self) -> None:
+        if self.control is not None:
+            self.control.close()
+        self.dispatcher.stop()
         self.data.close()
         self.hashes.close()
 
 
-class Connection:
-    """Per-client state: where the last read ended (for sequential readahead)."""
+def _threshold_value(name: str, text) -> int:
+    """A threshold from a key or option: bytes, with an optional K/M suffix."""
+    return parse_size(f"threshold {name}", text) if isinstance(text, str) else text
 
-    def __init__(self, device: Device) -> None:
+
+class Connection:
+    """Per-client state: its I/O class, and where its last read ended (for readahead)."""
+
+    def __init__(self, device: Device, io_class: int | None = None) -> None:
         self.device = device
+        self.io_class = device.default_class if io_class is None else io_class
         self.last_end = -1
+
+    @classmethod
+    def open(cls, device: Device) -> Connection:
+        """A new connection, its class chosen by export name, peer ioprio or default."""
+        io_class = connection_class(device.hooks.export_name(), device.hooks.peer_pid(),
+                                    device.default_class)
+        return cls(device, io_class)
+
+    @property
+    def class_name(self) -> str:
+        return CLASSES[self.io_class]
 
     def read(self, buf: memoryview, offset: int) -> None:
         """Verified read of len(buf) bytes at offset, with Merkle readahead."""
@@ -100,7 +161,7 @@ class Connection:
             device.verifier.prefetch(first, blocks + blocks // 4)
         self.last_end = offset + length
         try:
-            device.verifier.read(buf, offset)
+            device.dispatcher.read(buf, offset, self.io_class)
         except ImageIOError as e:
             device.verifier.counters.add(io_errors=1)
             log(str(e))

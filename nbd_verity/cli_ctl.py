@@ -1,0 +1,144 @@
+"""`nbd-verity ctl --control PATH ...`: talk to a running server's control socket."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import click
+
+from .cli import edge, fail, main
+from .errors import VerityError
+from .ioprio import CLASSES
+
+
+def control_request(path: str, request: dict, timeout: float = 10.0) -> dict:
+    """Send one request line and return the reply; VerityError when unreachable."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    try:
+        sock.connect(path)
+        sock.sendall(json.dumps(request).encode() + b"\n")
+        reply = b""
+        while not reply.endswith(b"\n"):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            reply += chunk
+    except OSError as e:
+        raise VerityError(f"control: {path}: {e.strerror or e}") from None
+    finally:
+        sock.close()
+    try:
+        return json.loads(reply)
+    except ValueError:
+        raise VerityError(f"control: {path}: no valid reply") from None
+
+
+def checked(path: str, request: dict) -> dict:
+    """A successful reply, or the server's error as one line and a non-zero exit."""
+    reply = control_request(path, request)
+    if not reply.get("ok"):
+        fail(f"server: {reply.get('error', 'unknown error')}")
+    return reply
+
+
+@main.group("ctl")
+@click.option("--control", required=True, metavar="PATH", envvar="NBD_VERITY_CONTROL",
+              help="The server's control socket.")
+@click.pass_context
+def ctl(ctx: click.Context, control: str) -> None:
+    """Inspect and tune a running server."""
+    ctx.obj = control
+
+
+def parse_assignments(items: tuple[str, ...]) -> dict[str, int]:
+    """CLASS=BYTES arguments; the server validates classes and ranges."""
+    changes: dict[str, int] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise click.BadParameter(f"{item!r} is not CLASS=BYTES", param_hint="thresholds")
+        try:
+            changes[name] = int(value)
+        except ValueError:
+            raise click.BadParameter(f"{item!r}: {value!r} is not an integer",
+                                     param_hint="thresholds") from None
+    return changes
+
+
+@ctl.command("thresholds")
+@click.argument("assignments", nargs=-1, metavar="[CLASS=BYTES]...")
+@click.option("--preset", default=None, help="Load a preset table (default, kernel).")
+@click.option("--json", "as_json", is_flag=True, help="Print the raw reply.")
+@click.pass_obj
+@edge
+def thresholds_cmd(control: str, assignments, preset, as_json) -> None:
+    """Show the inline threshold table, or change it (e.g. be=65536 rt=0)."""
+    request: dict = {"cmd": "thresholds"}
+    if preset and assignments:
+        raise click.UsageError("give CLASS=BYTES or --preset, not both")
+    if preset:
+        request["preset"] = preset
+    elif assignments:
+        request["set"] = parse_assignments(assignments)
+    reply = checked(control, request)
+    if as_json:
+        click.echo(json.dumps(reply))
+        return
+    for name in CLASSES:
+        click.echo(f"{name:<5} {reply['thresholds'][name]}")
+
+
+@ctl.command("stats")
+@click.option("--json", "as_json", is_flag=True, help="Print the raw reply.")
+@click.option("--reset", is_flag=True, help="Zero the counters after reading them.")
+@click.pass_obj
+@edge
+def stats_cmd(control: str, as_json: bool, reset: bool) -> None:
+    """Requests per class and path, latencies, cache and hash-read counters."""
+    request: dict = {"cmd": "stats"}
+    if reset:
+        request["reset"] = True
+    reply = checked(control, request)
+    if as_json:
+        click.echo(json.dumps(reply))
+        return
+    click.echo(format_stats(reply["stats"]))
+
+
+def _us(value) -> str:
+    return "-" if value is None else f"{value:.0f}"
+
+
+def format_stats(stats: dict) -> str:
+    """A readable table: one row per class and path, then the totals."""
+    lines = [f"{'class':<6}{'path':<8}{'threshold':>10}{'requests':>10}{'MiB':>10}"
+             f"{'p50 us':>9}{'p99 us':>9}"]
+    for name in CLASSES:
+        for path in ("inline", "pool"):
+            row = stats["classes"][name][path]
+            lines.append(f"{name:<6}{path:<8}{stats['thresholds'][name]:>10}"
+                         f"{row['requests']:>10}{row['bytes'] / 2**20:>10.1f}"
+                         f"{_us(row['p50_us']):>9}{_us(row['p99_us']):>9}")
+    totals = stats["totals"]
+    lines.append("")
+    lines.append(f"status {stats['status']}  corruptions {stats['corruptions']}  "
+                 f"uptime {stats['uptime_s']:.0f} s  workers {stats['workers']}")
+    lines.append("  ".join(f"{k} {v}" for k, v in totals.items()))
+    return "\n".join(lines)
+
+
+@ctl.command("status")
+@click.option("--json", "as_json", is_flag=True, help="Print the raw reply.")
+@click.pass_obj
+@edge
+def status_cmd(control: str, as_json: bool) -> None:
+    """V (all verified) or C (corruption seen), as dmsetup status prints."""
+    reply = checked(control, {"cmd": "status"})
+    if as_json:
+        click.echo(json.dumps(reply))
+        return
+    status = reply["status"]
+    click.echo(f"{status['status']}  corruptions {status['corruptions']}  "
+               f"mode {status['mode']}  uptime {status['uptime_s']:.0f} s")
