@@ -1,0 +1,96 @@
+# Shell helpers for guest scenarios: init.sh sources this file, runs e2e_setup, then sources
+# the run's scenario.sh, all under `set -eu`: the first failing step fails the run.
+#
+# Results go to "$E2E_WORK/<name>"; the host test reads and asserts them. Every helper that
+# takes a device takes its bare name (nbd0, dm-0, ubdb), never a path.
+
+# slirp maps the guest's 10.0.2.2 to 127.0.0.1 of the host's private network namespace.
+E2E_HOST=10.0.2.2
+E2E_MODULES=/usr/lib/uml/modules/$(uname -r)/kernel
+
+e2e_setup() {
+    e2e_load_modules
+    e2e_network_up
+}
+
+# The UML kernel builds nbd and device-mapper as modules; there is no modprobe set-up in
+# this root, so busybox insmod loads each in dependency order (dm-verity needs dm-bufio,
+# which needs dm-mod).
+e2e_load_modules() {
+    busybox insmod "$E2E_MODULES/drivers/block/nbd.ko" nbds_max=4
+    busybox insmod "$E2E_MODULES/drivers/md/dm-mod.ko"
+    busybox insmod "$E2E_MODULES/drivers/md/dm-bufio.ko"
+    busybox insmod "$E2E_MODULES/drivers/md/dm-verity.ko"
+}
+
+e2e_network_up() {
+    ip link set lo up
+    ip addr add 10.0.2.15/24 dev eth0
+    ip link set eth0 up
+    ip route add default via "$E2E_HOST"
+}
+
+# nbd_attach DEV PORT [EXPORT]: attach /dev/DEV read-only with 4 KiB blocks, so that one
+# 4 KiB direct read is one NBD request.
+nbd_attach() {
+    if [ -n "${3-}" ]; then
+        nbd-client -N "$3" "$E2E_HOST" "$2" "/dev/$1" -b 4096 -readonly
+    else
+        nbd-client "$E2E_HOST" "$2" "/dev/$1" -b 4096 -readonly
+    fi
+    [ "$(cat "/sys/block/$1/size")" -gt 0 ] || { echo "$1: size 0 after attach" >&2; return 1; }
+}
+
+nbd_detach() {
+    nbd-client -d "/dev/$1"
+}
+
+# verity_open NAME DATA_DEV HASH_DEV ROOT_HASH: the kernel's own dm-verity on the guest's
+# disks; prints the dm-N name of the new device.
+verity_open() {
+    veritysetup open "/dev/$2" "$1" "/dev/$3" "$4"
+    dm_name "$1"
+}
+
+# dm_name NAME: the kernel's dm-N name of a device-mapper device (without udev, /dev/mapper
+# holds plain nodes, not links to it).
+dm_name() {
+    for d in /sys/block/dm-*; do
+        if [ "$(cat "$d/dm/name")" = "$1" ]; then
+            echo "${d##*/}"
+            return 0
+        fi
+    done
+    echo "no device-mapper device named $1" >&2
+    return 1
+}
+
+verity_close() {
+    veritysetup close "$1"
+}
+
+# dev_sha256 DEV OUT: SHA-256 of the whole device (buffered, large reads) into $E2E_WORK/OUT.
+dev_sha256() {
+    # No pipe: dash has no pipefail, and a failed read must fail the run.
+    sum=$(sha256sum <"/dev/$1")
+    echo "${sum%% *}" >"$E2E_WORK/$2"
+}
+
+# dev_size DEV OUT: the device's size in bytes.
+dev_size() {
+    blockdev --getsize64 "/dev/$1" >"$E2E_WORK/$2"
+}
+
+# block_scan DEV OUT: read every 4 KiB block with direct I/O, one request each; OUT lists
+# the failing blocks as "INDEX ERRNO" lines.
+block_scan() {
+    python3 "$E2E_GUEST_DIR/blockscan.py" "/dev/$1" "$E2E_WORK/$2"
+}
+
+# fio_read DEV RW BS OUT: a short psync direct read job; JSON results in $E2E_WORK/OUT.
+fio_read() {
+    fio --name="$1-$2-$3" --filename="/dev/$1" --readonly --ioengine=psync --direct=1 \
+        --rw="$2" --bs="$3" --numjobs="${E2E_FIO_JOBS:-2}" --group_reporting \
+        --runtime="${E2E_FIO_SECONDS:-3}" --time_based --output-format=json \
+        --output="$E2E_WORK/$4"
+}

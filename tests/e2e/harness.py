@@ -1,0 +1,249 @@
+"""Real-kernel harness: NBD servers in a private network namespace, a user-mode-linux guest.
+
+The host's kernel has neither the `nbd` driver nor device-mapper; the UML guest kernel has
+both (see shared/REAL-DEVICE.md). One run looks like this:
+
+    private netns (unshare -n, only lo)
+    ├── NBD server(s) on 127.0.0.1:PORT (nbd-verity serve, or nbdkit file as a baseline)
+    └── linux.uml, under `timeout`
+        ├── eth0=slirp: the guest's 10.0.2.2:PORT is the namespace's 127.0.0.1:PORT
+        ├── ubd1r=, ubd2r=, ...: host image files as read-only /dev/ubdb, /dev/ubdc, ...
+        ├── root = the host's / over hostfs, read-only (host nbd-client, veritysetup, fio)
+        └── guest/init.sh as PID 1: mounts the run's work folder read-write, runs
+            guest/lib.sh's e2e_setup and the run's scenario.sh, writes exit-status, powers off
+
+Nothing listens outside the namespace and nothing leaves the machine. Every process is
+started here and stopped by its own pid, never by name. A guest that does not finish
+raises GuestFailed with its console log; nothing here skips.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+GUEST_DIR = Path(__file__).resolve().parent / "guest"
+# The venv's own entry point: the one built from this checkout.
+NBD_VERITY = Path(sys.executable).parent / "nbd-verity"
+
+# What a run needs on the host (the guest uses the same binaries through hostfs).
+DEB_PACKAGES = ("user-mode-linux", "slirp", "socat", "busybox-static", "nbdkit",
+                "nbd-client", "cryptsetup-bin", "fio", "e2fsprogs", "iproute2", "util-linux",
+                "coreutils", "python3")
+
+# Budgets, in seconds. A guest boots in about 3 s; the longest run scans 2 x 64 MiB.
+SERVER_START_S = 30
+GUEST_TIMEOUT_S = 240
+GUEST_MEM = "512M"
+
+
+class GuestFailed(AssertionError):
+    """The guest did not boot, did not finish, or its scenario failed; carries its log."""
+
+
+def ensure_packages(packages: Sequence[str] = DEB_PACKAGES) -> None:
+    """Install the Debian packages a run needs, only if one is missing (idempotent)."""
+    missing = [p for p in packages if not _installed(p)]
+    if not missing:
+        return
+    if os.geteuid() != 0:
+        raise RuntimeError(f"e2e: missing Debian packages {missing} and not root to install")
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    subprocess.run(["apt-get", "update", "-qq"], check=True, env=env)
+    subprocess.run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", *missing],
+                   check=True, env=env)
+
+
+def _installed(package: str) -> bool:
+    out = subprocess.run(["dpkg-query", "-W", "-f=${Status}", package],
+                         capture_output=True, text=True)
+    return out.returncode == 0 and "install ok installed" in out.stdout
+
+
+@dataclass(frozen=True)
+class Export:
+    """A verity export: a data image, its hash image and the trusted root hash (hex)."""
+
+    data: Path
+    hash: Path
+    root_hash: str
+
+
+@dataclass(frozen=True)
+class Server:
+    """How to start one NBD server in the foreground on 127.0.0.1:PORT.
+
+    kind "nbd-verity" is the server under test; "nbdkit-file" serves the data image
+    unverified through nbdkit's C file plugin, as a baseline. extra_args go to the command
+    as they are (e.g. ("--control", path)).
+    """
+
+    export: Export
+    kind: str = "nbd-verity"
+    extra_args: tuple[str, ...] = ()
+
+    def argv(self, port: int, pid_file: Path) -> list[str]:
+        """The server's command line; it writes pid_file once it accepts connections."""
+        if self.kind == "nbd-verity":
+            return [str(NBD_VERITY), "serve", str(self.export.data), str(self.export.hash),
+                    self.export.root_hash, "--port", str(port), "--bind", "127.0.0.1",
+                    "--pid-file", str(pid_file), "--exit-with-parent", *self.extra_args]
+        if self.kind == "nbdkit-file":
+            return ["nbdkit", "--exit-with-parent", "-f", "-r", "-p", str(port),
+                    "-i", "127.0.0.1", "--pidfile", str(pid_file), *self.extra_args,
+                    "file", str(self.export.data)]
+        raise ValueError(f"server kind: {self.kind!r} is not nbd-verity or nbdkit-file")
+
+
+class Netns:
+    """A private network namespace with only `lo` up, held open by one sleeping process.
+
+    Processes join it with nsenter (which execs, so their pid is the Popen's pid).
+    """
+
+    def __init__(self) -> None:
+        self._holder: subprocess.Popen | None = None
+
+    def __enter__(self) -> Netns:
+        # The holder prints "ready" only after lo is up: a barrier, not a sleep.
+        self._holder = subprocess.Popen(
+            ["unshare", "--net", "--", "sh", "-c",
+             "ip link set lo up && echo ready && exec sleep infinity"],
+            stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+        line = self._holder.stdout.readline().strip()
+        if line != "ready":
+            self._stop()
+            raise RuntimeError("e2e: could not create a private network namespace (unshare -n)")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop()
+
+    def _stop(self) -> None:
+        if self._holder is not None:
+            self._holder.kill()
+            self._holder.wait()
+            self._holder.stdout.close()
+            self._holder = None
+
+    def wrap(self, argv: Sequence[str]) -> list[str]:
+        """argv run inside this namespace."""
+        return ["nsenter", f"--net=/proc/{self._holder.pid}/ns/net", "--", *argv]
+
+
+@contextmanager
+def nbd_server(netns: Netns, server: Server, port: int, work: Path) -> Iterator[Path]:
+    """Run server in netns on 127.0.0.1:port until the block ends; yields its log file."""
+    pid_file = work / f"server-{port}.pid"
+    log = work / f"server-{port}.log"
+    pid_file.unlink(missing_ok=True)
+    with open(log, "wb") as log_f:
+        proc = subprocess.Popen(netns.wrap(server.argv(port, pid_file)), stdin=subprocess.DEVNULL,
+                                stdout=log_f, stderr=subprocess.STDOUT)
+    try:
+        _wait_listening(proc, pid_file, log)
+        yield log
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _wait_listening(proc: subprocess.Popen, pid_file: Path, log: Path) -> None:
+    """Return once the server wrote its pid file (nbdkit does so after it listens)."""
+    deadline = time.monotonic() + SERVER_START_S
+    while not (pid_file.exists() and pid_file.read_text().strip()):
+        if proc.poll() is not None:
+            raise RuntimeError(f"e2e: server exited with {proc.returncode}:\n{log.read_text()}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"e2e: server not listening after {SERVER_START_S} s:\n"
+                               f"{log.read_text()}")
+        time.sleep(0.05)
+
+
+@dataclass(frozen=True)
+class GuestRun:
+    """What a finished guest left: its work folder (results) and its console log."""
+
+    work: Path
+    console: str
+    seconds: float
+
+    def read(self, name: str) -> str:
+        """A result file the scenario wrote, stripped."""
+        return (self.work / name).read_text().strip()
+
+    def lines(self, name: str) -> list[str]:
+        return [line for line in self.read(name).splitlines() if line]
+
+
+def boot_guest(netns: Netns, script: str, disks: Sequence[Path], work: Path,
+               timeout_s: int = GUEST_TIMEOUT_S) -> GuestRun:
+    """Boot the guest in netns, run script (shell, lib.sh's helpers) and wait for power-off.
+
+    disks become read-only /dev/ubdb, /dev/ubdc, ... in order. Raises GuestFailed with the
+    console log unless the scenario ran to the end with status 0.
+    """
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "scenario.sh").write_text(script)
+    (work / "exit-status").unlink(missing_ok=True)
+    console_path = work / "console.log"
+    argv = ["timeout", "--kill-after=10", str(timeout_s), *netns.wrap(_uml_argv(disks, work))]
+    started = time.monotonic()
+    with open(console_path, "wb") as console_f:
+        # TMPDIR: UML backs the guest's memory with a file there; /dev/shm is RAM.
+        proc = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=console_f,
+                              stderr=subprocess.STDOUT, env=dict(os.environ, TMPDIR="/dev/shm"),
+                              cwd=work)
+    seconds = time.monotonic() - started
+    run = GuestRun(work=work, console=console_path.read_text(errors="replace"), seconds=seconds)
+    status_path = work / "exit-status"
+    if not status_path.exists():
+        raise GuestFailed(f"guest did not finish (linux.uml exit {proc.returncode} after "
+                          f"{seconds:.1f} s); console log:\n{run.console}")
+    if status_path.read_text().strip() != "0":
+        raise GuestFailed(f"guest scenario failed with status {status_path.read_text().strip()}"
+                          f"; console log:\n{run.console}")
+    return run
+
+
+def _uml_argv(disks: Sequence[Path], work: Path) -> list[str]:
+    for path in (work, *disks):
+        if any(c in str(path) for c in " ,:="):
+            raise ValueError(f"e2e: {path}: UML's command line cannot carry ' ,:=' in a path")
+    argv = [shutil.which("linux.uml") or "/usr/bin/linux.uml", f"mem={GUEST_MEM}",
+            "rootfstype=hostfs", "rootflags=/", "ro", "quiet",
+            f"init={GUEST_DIR / 'init.sh'}", f"E2E_WORK={work}",
+            f"eth0=slirp,,{GUEST_DIR / 'slirp.sh'}",
+            # The console is UML's stdout; no other terminals.
+            "con0=null,fd:1", "con=null", "ssl=null",
+            # UML's pid file and mconsole socket: in the run's folder, not in ~/.uml.
+            f"uml_dir={work / 'uml'}"]
+    # ubd0 stays unused so that the disks are ubdb, ubdc, ...; 'r' opens them read-only.
+    argv += [f"ubd{i}r={path}" for i, path in enumerate(disks, start=1)]
+    return argv
+
+
+@contextmanager
+def guest_run(script: str, disks: Sequence[Path], servers: Mapping[int, Server],
+              work: Path) -> Iterator[GuestRun]:
+    """Servers on their ports in a fresh netns, then one guest run; all stopped on exit.
+
+    The block sees the finished run while the servers still run (their logs are in work
+    as server-PORT.log).
+    """
+    work.mkdir(parents=True, exist_ok=True)
+    with Netns() as netns, ExitStack() as stack:
+        for port, server in servers.items():
+            stack.enter_context(nbd_server(netns, server, port, work))
+        yield boot_guest(netns, script, disks, work)
