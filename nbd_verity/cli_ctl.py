@@ -39,7 +39,7 @@ def checked(path: str, request: dict) -> dict:
     """A successful reply, or the server's error as one line and a non-zero exit."""
     reply = control_request(path, request)
     if not reply.get("ok"):
-        fail(f"server: {reply.get('error', 'unknown error')}")
+        fail(f"server: {reply.get('error', 'unknown error')}", 1)
     return reply
 
 
