@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 DEB_PACKAGES := nbdkit nbdkit-plugin-python python3-libnbd libnbd-bin fio cryptsetup-bin \
 	nbd-client python3-venv nbdfuse fuse3 e2fsprogs util-linux openssl
 
-.PHONY: setup demo test lint bench-format clean
+.PHONY: setup demo test lint bench bench-format e2e clean
 
 setup: $(VENV)/.installed
 
@@ -32,6 +32,9 @@ test: setup
 lint: setup
 	$(PY) -m pip install -q ruff
 	$(VENV)/bin/ruff check nbd_verity tests plugin.py bench
+
+bench: setup
+	$(PY) bench/run.py
 
 bench-format: setup
 	$(PY) bench/format.py
