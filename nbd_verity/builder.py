@@ -119,7 +119,10 @@ def build_tree(data_path: str, hash_path: str, params: VerityParams,
             os.pwrite(hash_fd, params.to_superblock().pack(), params.hash_offset)
         if geo.levels == 0:  # one data block: its digest is the root
             block = pread_exact(data_fd, geo.data_block_size, 0, "data")
-            os.ftruncate(hash_fd, max(os.fstat(hash_fd).st_size, geo.hash_image_size))
+            # veritysetup pads the superblock's block; with no superblock there is nothing
+            # to write, and it leaves the hash image as it was.
+            if params.superblock and os.lseek(hash_fd, 0, os.SEEK_END) < geo.hash_image_size:
+                os.ftruncate(hash_fd, geo.hash_image_size)
             return digester.digest(block)
         _write_level0(data_fd, hash_fd, geo, digester, progress)
         for level in range(1, geo.levels):
@@ -177,8 +180,9 @@ def verify_image(data_path: str, hash_path: str, params: VerityParams, root: byt
     report = VerifyReport(limit=limit)
     data_fd, hash_fd = open_ro(data_path), open_ro(hash_path)
     try:
-        if geo.hash_image_size > os.fstat(hash_fd).st_size:
-            raise ImageIOError(f"{hash_path}: hash image is {os.fstat(hash_fd).st_size} bytes,"
+        hash_size = os.lseek(hash_fd, 0, os.SEEK_END)  # st_size is 0 for a block device
+        if geo.levels and geo.hash_image_size > hash_size:  # zero levels read no hash block
+            raise ImageIOError(f"{hash_path}: hash image is {hash_size} bytes,"
                                f" its geometry needs {geo.hash_image_size}")
         if geo.levels == 0:
             if digester.digest(pread_exact(data_fd, geo.data_block_size, 0, "data")) != root:

@@ -17,8 +17,7 @@ import click
 from . import builder
 from .digest import parse_salt
 from .errors import ConfigError, VerityError
-from .params import (VerityParams, load_params, parse_uuid, random_salt, random_uuid,
-                     read_params)
+from .params import VerityParams, load_params, parse_uuid, random_salt, random_uuid, read_params
 from .superblock import block_size_ok
 
 EXIT_CORRUPT = 1  # verify found corruption

@@ -3,7 +3,7 @@
 Mirrors cryptsetup's hash_levels() and the kernel's verity_hash_at_level(): the number of
 digests per hash block is a power of two in both formats, levels are stored root-most
 first from the hash start block, and data block b's digest at level i sits in hash block
-level_start[i] + (b >> ((i+1)·bits)) at slot (b >> (i·bits)) & (2**bits − 1).
+level_start[i] + (b >> ((i+1)·bits)) at slot (b >> (i·bits)) & (2**bits - 1).
 Nothing here does I/O; every other module asks this one for offsets.
 """
 

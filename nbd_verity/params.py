@@ -12,7 +12,7 @@ import uuid as uuidlib
 from dataclasses import dataclass, field, replace
 
 from .digest import Digester, normalize_algorithm
-from .errors import ConfigError, ImageIOError
+from .errors import ConfigError, FormatError, ImageIOError, SuperblockError
 from .geometry import TreeGeometry, hash_start_block
 from .superblock import SUPERBLOCK_SIZE, Superblock, block_size_ok
 
@@ -87,8 +87,16 @@ def random_uuid() -> bytes:
     return uuidlib.uuid4().bytes
 
 
+def check_hash_offset(hash_offset: int) -> int:
+    """veritysetup's rule: the superblock or tree starts on a 512-byte boundary."""
+    if hash_offset < 0 or hash_offset % 512:
+        raise ConfigError(f"hash-offset: {hash_offset} is not a multiple of 512")
+    return hash_offset
+
+
 def read_superblock(hash_path: str, hash_offset: int = 0) -> Superblock:
     """Read and validate the superblock at hash_offset of the hash image."""
+    check_hash_offset(hash_offset)
     try:
         with open(hash_path, "rb") as f:
             f.seek(hash_offset)
@@ -99,17 +107,32 @@ def read_superblock(hash_path: str, hash_offset: int = 0) -> Superblock:
         raise ImageIOError(
             f"{hash_path}: too small to hold a superblock at offset {hash_offset}"
         )
-    return Superblock.unpack(buf).validate()
+    try:
+        return Superblock.unpack(buf).validate()
+    except SuperblockError as e:
+        raise SuperblockError(f"{hash_path}: {e}") from None
 
 
 def params_from_superblock(sb: Superblock, hash_offset: int = 0) -> VerityParams:
     """Parameters described by a valid superblock."""
-    return VerityParams(
-        data_blocks=sb.data_blocks, hash_type=sb.hash_type,
-        algorithm=normalize_algorithm(sb.algorithm), data_block_size=sb.data_block_size,
-        hash_block_size=sb.hash_block_size, salt=sb.salt, uuid=sb.uuid,
-        hash_offset=hash_offset, superblock=True,
-    ).check()
+    try:
+        return VerityParams(
+            data_blocks=sb.data_blocks, hash_type=sb.hash_type,
+            algorithm=normalize_algorithm(sb.algorithm), data_block_size=sb.data_block_size,
+            hash_block_size=sb.hash_block_size, salt=sb.salt, uuid=sb.uuid,
+            hash_offset=hash_offset, superblock=True,
+        ).check()
+    except (ConfigError, FormatError) as e:  # a field the superblock itself got wrong
+        raise SuperblockError(f"superblock: {e}") from None
+
+
+def read_params(hash_path: str, hash_offset: int = 0) -> VerityParams:
+    """Parameters from the superblock at hash_offset; errors name the hash image."""
+    sb = read_superblock(hash_path, hash_offset)
+    try:
+        return params_from_superblock(sb, hash_offset)
+    except SuperblockError as e:
+        raise SuperblockError(f"{hash_path}: {e}") from None
 
 
 def load_params(hash_path: str, options: dict, data_size: int | None = None) -> VerityParams:
@@ -119,18 +142,22 @@ def load_params(hash_path: str, options: dict, data_size: int | None = None) -> 
     data_block_size, hash_block_size, data_blocks, salt, hash_offset, no_superblock.
     A superblock wins, but an option that contradicts it is an error, as it is a mistake.
     """
-    hash_offset = options.get("hash_offset") or 0
+    hash_offset = check_hash_offset(options.get("hash_offset") or 0)
     if not options.get("no_superblock"):
-        params = params_from_superblock(read_superblock(hash_path, hash_offset), hash_offset)
-        for key, attr in (("hash_type", "hash_type"), ("algorithm", "algorithm"),
-                          ("data_block_size", "data_block_size"),
-                          ("hash_block_size", "hash_block_size"),
-                          ("data_blocks", "data_blocks"), ("salt", "salt")):
+        params = read_params(hash_path, hash_offset)
+        for key, option in (("hash_type", "format"), ("algorithm", "hash"),
+                            ("data_block_size", "data-block-size"),
+                            ("hash_block_size", "hash-block-size"),
+                            ("data_blocks", "data-blocks"), ("salt", "salt")):
             given = options.get(key)
-            if given is not None and given != getattr(params, attr):
-                option = key.replace("_", "-").replace("hash-type", "format")
+            if key == "algorithm" and given is not None:
+                given = given.lower()  # veritysetup lower-cases algorithm names
+            have = getattr(params, key)
+            if given is not None and given != have:
+                shown = (given.hex() or "-", have.hex() or "-") if key == "salt" else (
+                    given, have)
                 raise ConfigError(
-                    f"{option}: {given!r} contradicts the superblock's {getattr(params, attr)!r}"
+                    f"{option}: {shown[0]!r} contradicts the superblock's {shown[1]!r}"
                 )
         return params
     given = {k: v for k, v in options.items() if v is not None and k in (
