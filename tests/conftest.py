@@ -1,0 +1,100 @@
+"""Fixtures shared by every test: the installed CLI, the veritysetup oracle, images.
+
+`tools` runs `nbd-verity` (the console script of this venv, as a user would) and the real
+`veritysetup` in subprocesses with a clean environment, so a test sees exactly what a user
+sees: stdout, stderr and the exit status. It is session-scoped, so hypothesis tests may use
+it. Images are made from a seeded random generator and are the same on every run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+NBD_VERITY = str(Path(sys.executable).parent / "nbd-verity")
+VERITYSETUP = shutil.which("veritysetup") or "/usr/sbin/veritysetup"
+# A fixed UUID and salt make both tools' output deterministic, hence comparable byte for byte.
+UUID = "a60c98d2-ae9b-4865-bfcb-b4e3ace11033"
+SALT = "e48da609055204e89ae53b655ca2216dd983cf3cb829f34f63a297d106d53e2d"
+
+
+def _clean_env() -> dict:
+    """The caller's environment without NBD_VERITY_* defaults, in the C locale."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NBD_VERITY_")}
+    env["LC_ALL"] = "C"
+    return env
+
+
+def random_bytes(size: int, seed: int) -> bytes:
+    """size bytes from a generator seeded with seed: the same on every run."""
+    return random.Random(seed).randbytes(size)
+
+
+def write_image(path: Path, size: int, seed: int = 0) -> Path:
+    """A fresh file of size deterministic random bytes."""
+    path.write_bytes(random_bytes(size, seed))
+    return path
+
+
+def file_sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+class Tools:
+    """Runs the two command lines and reads what they print; holds the image helpers."""
+
+    nbd_verity_path = NBD_VERITY
+    veritysetup_path = VERITYSETUP
+    uuid = UUID
+    salt = SALT
+    random_bytes = staticmethod(random_bytes)
+    write_image = staticmethod(write_image)
+    sha256 = staticmethod(file_sha256)
+
+    def run(self, argv: list[str]) -> subprocess.CompletedProcess:
+        return subprocess.run([str(a) for a in argv], capture_output=True, text=True,
+                              env=_clean_env(), timeout=300, check=False)
+
+    def ours(self, *args) -> subprocess.CompletedProcess:
+        return self.run([NBD_VERITY, *args])
+
+    def theirs(self, *args) -> subprocess.CompletedProcess:
+        return self.run([VERITYSETUP, *args])
+
+    @staticmethod
+    def root_hash(stdout: str) -> str:
+        """The hex root hash from a `format` header ("Root hash:      \\t<hex>")."""
+        for line in stdout.splitlines():
+            if line.startswith("Root hash:"):
+                return line.split("\t", 1)[1].strip()
+        raise AssertionError(f"no 'Root hash:' line in:\n{stdout}")
+
+    @staticmethod
+    def fields(stdout: str) -> list[str]:
+        """The field lines of a header ("Name: \\tvalue"), without the file-name line."""
+        return [line for line in stdout.splitlines()
+                if ":" in line and not line.startswith("VERITY header information")]
+
+
+@pytest.fixture(scope="session")
+def tools() -> Tools:
+    for path in (NBD_VERITY, VERITYSETUP):
+        if not os.access(path, os.X_OK):
+            pytest.fail(f"{path} is missing: run `make setup` (it installs cryptsetup-bin)")
+    return Tools()
+
+
+@pytest.fixture
+def make_image(tmp_path: Path):
+    """make_image(name, size, seed=0) → a fresh deterministic random file in tmp_path."""
+    def make(name: str, size: int, seed: int = 0) -> Path:
+        return write_image(tmp_path / name, size, seed)
+    return make
