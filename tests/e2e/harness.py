@@ -187,6 +187,82 @@ class GuestRun:
         return [line for line in self.read(name).splitlines() if line]
 
 
+class LiveGuest:
+    """A guest booted in the background, so that the host can act between its steps.
+
+    The scenario calls `host_signal NAME` / `host_wait NAME` (lib.sh); the host calls
+    wait_for(NAME) / signal(NAME). Both sides meet at files in WORK/sync, which the guest
+    sees through hostfs as soon as the host writes them.
+    """
+
+    def __init__(self, netns: Netns, script: str, disks: Sequence[Path], work: Path,
+                 timeout_s: int = GUEST_TIMEOUT_S) -> None:
+        self.work = work
+        self.sync = work / "sync"
+        work.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(self.sync, ignore_errors=True)
+        self.sync.mkdir()
+        (work / "scenario.sh").write_text(script)
+        (work / "exit-status").unlink(missing_ok=True)
+        self._console_path = work / "console.log"
+        argv = ["timeout", "--kill-after=10", str(timeout_s),
+                *netns.wrap(_uml_argv(disks, work))]
+        self._started = time.monotonic()
+        with open(self._console_path, "wb") as console_f:
+            # TMPDIR: UML backs the guest's memory with a file there; /dev/shm is RAM.
+            self._proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=console_f,
+                                          stderr=subprocess.STDOUT, cwd=work,
+                                          env=dict(os.environ, TMPDIR="/dev/shm"))
+
+    def console(self) -> str:
+        return self._console_path.read_text(errors="replace")
+
+    def wait_for(self, name: str, timeout_s: float = 60) -> str:
+        """Wait until the guest ran `host_signal name`; returns what it wrote there."""
+        path = self.sync / name
+        deadline = time.monotonic() + timeout_s
+        while not path.exists():
+            if self._proc.poll() is not None:
+                raise GuestFailed(f"guest stopped before signalling {name!r}; console log:\n"
+                                  f"{self.console()}")
+            if time.monotonic() > deadline:
+                raise GuestFailed(f"guest did not signal {name!r} within {timeout_s} s; "
+                                  f"console log:\n{self.console()}")
+            time.sleep(0.05)
+        return path.read_text()
+
+    def signal(self, name: str, text: str = "") -> None:
+        """Let the guest's `host_wait name` return (written whole, then renamed)."""
+        tmp = self.sync / f".{name}.tmp"
+        tmp.write_text(text)
+        tmp.rename(self.sync / name)
+
+    def finish(self) -> GuestRun:
+        """Wait for power-off; GuestFailed with the console log unless the scenario passed."""
+        returncode = self._proc.wait()
+        seconds = time.monotonic() - self._started
+        run = GuestRun(work=self.work, console=self.console(), seconds=seconds)
+        status_path = self.work / "exit-status"
+        if not status_path.exists():
+            raise GuestFailed(f"guest did not finish (linux.uml exit {returncode} after "
+                              f"{seconds:.1f} s); console log:\n{run.console}")
+        status = status_path.read_text().strip()
+        if status != "0":
+            raise GuestFailed(f"guest scenario failed with status {status}; console log:\n"
+                              f"{run.console}")
+        return run
+
+    def stop(self) -> None:
+        """Stop a guest that is still running (after a failure on the host side)."""
+        if self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+
+
 def boot_guest(netns: Netns, script: str, disks: Sequence[Path], work: Path,
                timeout_s: int = GUEST_TIMEOUT_S) -> GuestRun:
     """Boot the guest in netns, run script (shell, lib.sh's helpers) and wait for power-off.
@@ -194,27 +270,7 @@ def boot_guest(netns: Netns, script: str, disks: Sequence[Path], work: Path,
     disks become read-only /dev/ubdb, /dev/ubdc, ... in order. Raises GuestFailed with the
     console log unless the scenario ran to the end with status 0.
     """
-    work.mkdir(parents=True, exist_ok=True)
-    (work / "scenario.sh").write_text(script)
-    (work / "exit-status").unlink(missing_ok=True)
-    console_path = work / "console.log"
-    argv = ["timeout", "--kill-after=10", str(timeout_s), *netns.wrap(_uml_argv(disks, work))]
-    started = time.monotonic()
-    with open(console_path, "wb") as console_f:
-        # TMPDIR: UML backs the guest's memory with a file there; /dev/shm is RAM.
-        proc = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=console_f,
-                              stderr=subprocess.STDOUT, env=dict(os.environ, TMPDIR="/dev/shm"),
-                              cwd=work)
-    seconds = time.monotonic() - started
-    run = GuestRun(work=work, console=console_path.read_text(errors="replace"), seconds=seconds)
-    status_path = work / "exit-status"
-    if not status_path.exists():
-        raise GuestFailed(f"guest did not finish (linux.uml exit {proc.returncode} after "
-                          f"{seconds:.1f} s); console log:\n{run.console}")
-    if status_path.read_text().strip() != "0":
-        raise GuestFailed(f"guest scenario failed with status {status_path.read_text().strip()}"
-                          f"; console log:\n{run.console}")
-    return run
+    return LiveGuest(netns, script, disks, work, timeout_s).finish()
 
 
 def _uml_argv(disks: Sequence[Path], work: Path) -> list[str]:
@@ -235,6 +291,25 @@ def _uml_argv(disks: Sequence[Path], work: Path) -> list[str]:
 
 
 @contextmanager
+def guest_session(script: str, disks: Sequence[Path], servers: Mapping[int, Server],
+                  work: Path) -> Iterator[LiveGuest]:
+    """Servers on their ports in a fresh netns and a guest booted in the background.
+
+    The block talks to the guest (wait_for/signal) and ends with guest.finish(); on the way
+    out the guest (if still running), the servers and the namespace are stopped.
+    """
+    work.mkdir(parents=True, exist_ok=True)
+    with Netns() as netns, ExitStack() as stack:
+        for port, server in servers.items():
+            stack.enter_context(nbd_server(netns, server, port, work))
+        guest = LiveGuest(netns, script, disks, work)
+        try:
+            yield guest
+        finally:
+            guest.stop()
+
+
+@contextmanager
 def guest_run(script: str, disks: Sequence[Path], servers: Mapping[int, Server],
               work: Path) -> Iterator[GuestRun]:
     """Servers on their ports in a fresh netns, then one guest run; all stopped on exit.
@@ -242,8 +317,5 @@ def guest_run(script: str, disks: Sequence[Path], servers: Mapping[int, Server],
     The block sees the finished run while the servers still run (their logs are in work
     as server-PORT.log).
     """
-    work.mkdir(parents=True, exist_ok=True)
-    with Netns() as netns, ExitStack() as stack:
-        for port, server in servers.items():
-            stack.enter_context(nbd_server(netns, server, port, work))
-        yield boot_guest(netns, script, disks, work)
+    with guest_session(script, disks, servers, work) as guest:
+        yield guest.finish()

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import json
+import subprocess
 from pathlib import Path
 
 from .bench import read_fio, record, render
 from .conftest import Images
-from .harness import Export, GuestRun, Server, guest_run
+from .harness import NBD_VERITY, Export, GuestRun, Server, guest_run, guest_session
 from .images import (
     corrupt_copy,
     ext4_file_blocks,
@@ -169,3 +171,41 @@ nbd_detach nbd1
     for title, results in rows.items():
         for job, result in results.items():
             assert result.bw_bytes > 0, f"{title} {job}: no bytes read"
+
+
+def test_status_turns_c_like_dmsetup(images: Images, tmp_path: Path):
+    """`ctl status` says V, then C after a corrupt read, when the kernel's dmsetup does."""
+    middle = images.data_blocks // 2
+    # Only a middle block: attaching /dev/nbd0 reads the partition table at the start.
+    data = corrupt_copy(images.export.data, tmp_path / "data-corrupt.img", [middle])
+    export = Export(data=data, hash=images.export.hash, root_hash=images.export.root_hash)
+    control = tmp_path / "ctl.sock"
+    script = f"""
+nbd_attach nbd0 {PORT}
+verity_open vdata ubdb ubdc {export.root_hash} >/dev/null
+host_signal attached "$(dmsetup status vdata)"
+host_wait checked
+echo "$(read_block nbd0 {middle}) $(read_block "$(dm_name vdata)" {middle})" >"$E2E_WORK/reads"
+host_signal read "$(dmsetup status vdata)"
+host_wait checked-again
+verity_close vdata
+nbd_detach nbd0
+"""
+    server = Server(export, extra_args=("--control", str(control)))
+    with guest_session(script, [export.data, export.hash], {PORT: server},
+                       tmp_path / "run") as guest:
+        assert guest.wait_for("attached").split()[3] == "V"
+        assert server_status(control) == "V"
+        guest.signal("checked")
+        assert guest.wait_for("read").split()[3] == "C"
+        assert server_status(control) == "C"
+        guest.signal("checked-again")
+        run = guest.finish()
+    assert run.read("reads") == "failed failed"
+
+
+def server_status(control: Path) -> str:
+    """V or C from `nbd-verity ctl status` on the server's control socket."""
+    out = subprocess.run([str(NBD_VERITY), "ctl", "--control", str(control), "status", "--json"],
+                         check=True, capture_output=True, text=True).stdout
+    return json.loads(out)["status"]["status"]

@@ -87,10 +87,35 @@ block_scan() {
     python3 "$E2E_GUEST_DIR/blockscan.py" "/dev/$1" "$E2E_WORK/$2"
 }
 
+# read_block DEV INDEX: one direct 4 KiB read of block INDEX; prints "ok" or "failed".
+read_block() {
+    if dd if="/dev/$1" of=/dev/null bs=4096 skip="$2" count=1 iflag=direct 2>/dev/null; then
+        echo ok
+    else
+        echo failed
+    fi
+}
+
 # fio_read DEV RW BS OUT: a short psync direct read job; JSON results in $E2E_WORK/OUT.
 fio_read() {
     fio --name="$1-$2-$3" --filename="/dev/$1" --readonly --ioengine=psync --direct=1 \
         --rw="$2" --bs="$3" --numjobs="${E2E_FIO_JOBS:-2}" --group_reporting \
         --runtime="${E2E_FIO_SECONDS:-3}" --time_based --output-format=json \
         --output="$E2E_WORK/$4"
+}
+
+# host_signal NAME [TEXT]: tell the host test that a step is done (LiveGuest.wait_for).
+host_signal() {
+    printf '%s' "${2-}" >"$E2E_WORK/sync/.$1.tmp"
+    mv "$E2E_WORK/sync/.$1.tmp" "$E2E_WORK/sync/$1"
+}
+
+# host_wait NAME [SECONDS]: wait until the host test signals NAME (LiveGuest.signal).
+host_wait() {
+    tries=$(( ${2:-60} * 10 ))
+    while [ ! -e "$E2E_WORK/sync/$1" ]; do
+        tries=$((tries - 1))
+        [ "$tries" -gt 0 ] || { echo "host never signalled $1" >&2; return 1; }
+        sleep 0.1
+    done
 }
