@@ -18,7 +18,9 @@ from .digest import Digester
 from .errors import CorruptionError, DataCorruption, HashCorruption, ImageIOError
 from .geometry import TreeGeometry
 from .params import VerityParams
+from .superblock import SUPERBLOCK_SIZE
 
+SB_WRITE_BLOCK = 4096  # veritysetup's largest superblock write for a file (see below)
 CHUNK_SIZE = 8 << 20  # bytes of data per read; two halves hashed in parallel
 Progress = Callable[[int], None]  # called with bytes of data just processed
 
@@ -119,10 +121,8 @@ def build_tree(data_path: str, hash_path: str, params: VerityParams,
             os.pwrite(hash_fd, params.to_superblock().pack(), params.hash_offset)
         if geo.levels == 0:  # one data block: its digest is the root
             block = pread_exact(data_fd, geo.data_block_size, 0, "data")
-            # veritysetup pads the superblock's block; with no superblock there is nothing
-            # to write, and it leaves the hash image as it was.
-            if params.superblock and os.lseek(hash_fd, 0, os.SEEK_END) < geo.hash_image_size:
-                os.ftruncate(hash_fd, geo.hash_image_size)
+            if params.superblock:
+                _pad_superblock(hash_fd, params)
             return digester.digest(block)
         _write_level0(data_fd, hash_fd, geo, digester, progress)
         for level in range(1, geo.levels):
@@ -136,6 +136,19 @@ def build_tree(data_path: str, hash_path: str, params: VerityParams,
     finally:
         os.close(data_fd)
         os.close(hash_fd)
+
+
+def _pad_superblock(fd: int, params: VerityParams) -> None:
+    """Extend the hash image past a superblock that no tree follows, as veritysetup does.
+
+    veritysetup 2.6.1 writes the superblock as one whole block of min(hash block size,
+    4096) bytes (measured: hbs 512 → offset + 512, hbs 8192 → offset + 4096). With no
+    superblock and no tree it writes nothing and leaves the hash image as it was.
+    """
+    block = min(params.hash_block_size, SB_WRITE_BLOCK)
+    end = -(-(params.hash_offset + SUPERBLOCK_SIZE) // block) * block
+    if os.lseek(fd, 0, os.SEEK_END) < end:
+        os.ftruncate(fd, end)
 
 
 def _write_level0(data_fd: int, hash_fd: int, geo: TreeGeometry, digester: Digester,

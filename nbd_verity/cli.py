@@ -161,18 +161,20 @@ def format_cmd(data: str, hash_image: str, uuid: str | None, root_hash_file: str
     """Build the hash tree of DATA into HASH and print the root hash."""
     opts = _tree_options(kw)
     size = data_size_of(data)
-    dbs = opts["data_block_size"] or 4096
+    dbs = _given(opts["data_block_size"], 4096)
+    if not block_size_ok(dbs):  # checked before it divides the data size
+        raise ConfigError(f"data-block-size: {dbs} is not a power of two from 512 to 524288")
     blocks = opts["data_blocks"] if opts["data_blocks"] is not None else size // dbs
-    if opts["data_blocks"] is None and blocks == 0 and block_size_ok(dbs):
+    if opts["data_blocks"] is None and blocks == 0:
         raise ConfigError(f"{data}: {size} bytes, less than one {dbs}-byte data block")
     params = VerityParams(
         data_blocks=blocks,
         hash_type=1 if opts["hash_type"] is None else opts["hash_type"],
-        algorithm=(opts["algorithm"] or "sha256").lower(),
-        data_block_size=dbs, hash_block_size=opts["hash_block_size"] or 4096,
+        algorithm=_given(opts["algorithm"], "sha256").lower(),
+        data_block_size=dbs, hash_block_size=_given(opts["hash_block_size"], 4096),
         salt=random_salt() if opts["salt"] is None else opts["salt"],
         uuid=parse_uuid(uuid) if uuid else random_uuid(),
-        hash_offset=opts["hash_offset"] or 0, superblock=not opts["no_superblock"],
+        hash_offset=_given(opts["hash_offset"], 0), superblock=not opts["no_superblock"],
     ).check()
     if blocks * dbs > size:
         raise ConfigError(f"data-blocks: {blocks} blocks of {dbs} bytes exceed {data} "
@@ -187,6 +189,11 @@ def format_cmd(data: str, hash_image: str, uuid: str | None, root_hash_file: str
     if root_hash_file:
         with open(root_hash_file, "w") as f:
             f.write(root.hex())
+
+
+def _given(value, default):
+    """An option's value, or its default when it was not given (0 and "" are values)."""
+    return default if value is None else value
 
 
 def _check_overlap(data: str, hash_image: str, params: VerityParams) -> None:

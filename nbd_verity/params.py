@@ -165,6 +165,7 @@ def load_params(hash_path: str, options: dict, data_size: int | None = None) -> 
     if "algorithm" in given:
         given["algorithm"] = normalize_algorithm(given["algorithm"])
     params = VerityParams(data_blocks=1, hash_offset=hash_offset, superblock=False, **given)
+    params.check()  # every field but the block count, before a block size divides anything
     blocks = options.get("data_blocks")
     if blocks is None:
         if data_size is None:

@@ -1,0 +1,232 @@
+"""One test per rejected input: exactly one clear line on stderr, exit status 2, no
+traceback, nothing on stdout, the data image unchanged and no hash image left behind.
+
+These run the installed console script, as a user would.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory, tools):
+    """A 1 MiB data image (256 blocks) and its valid tree: (dir, data, hash, root)."""
+    where = tmp_path_factory.mktemp("rejects")
+    data = tools.write_image(where / "data.img", 1 << 20)
+    hash_image = where / "hash.img"
+    run = tools.ours("format", data, hash_image, "--salt=abcd", f"--uuid={tools.uuid}")
+    assert run.returncode == 0, run.stderr
+    return where, data, hash_image, tools.root_hash(run.stdout)
+
+
+def patched_hash(good, tmp_path: Path, offset: int, fmt: str, value) -> Path:
+    """A copy of the good hash image with one superblock field overwritten."""
+    buf = bytearray(good[2].read_bytes())
+    struct.pack_into("<" + fmt, buf, offset, value)
+    path = tmp_path / "patched.img"
+    path.write_bytes(bytes(buf))
+    return path
+
+
+def truncated_hash(good, tmp_path: Path, size: int) -> Path:
+    path = tmp_path / "short.img"
+    path.write_bytes(good[2].read_bytes()[:size])
+    return path
+
+
+# (id, argv as a function of (good, tmp_path), the one stderr line as a regex)
+REJECTS = [
+    ("format-missing-data",
+     lambda g, t: ["format", t / "missing.img", t / "h"],
+     r"nbd-verity: .*/missing\.img: No such file or directory"),
+    ("format-data-is-a-directory",
+     lambda g, t: ["format", t, t / "h"],
+     r"nbd-verity: .*: Is a directory"),
+    ("format-hash-in-missing-directory",
+     lambda g, t: ["format", g[1], t / "no" / "h"],
+     r"nbd-verity: .*/no/h: No such file or directory"),
+    ("verify-missing-data",
+     lambda g, t: ["verify", t / "missing.img", g[2], g[3]],
+     r"nbd-verity: .*/missing\.img: No such file or directory"),
+    ("verify-missing-hash",
+     lambda g, t: ["verify", g[1], t / "missing.img", g[3]],
+     r"nbd-verity: .*/missing\.img: No such file or directory"),
+    ("verify-unreadable-hash-directory",
+     lambda g, t: ["verify", g[1], t, g[3]],
+     r"nbd-verity: .*: Is a directory"),
+    ("dump-missing-hash",
+     lambda g, t: ["dump", t / "missing.img"],
+     r"nbd-verity: .*/missing\.img: No such file or directory"),
+    ("verify-hash-image-too-small-for-geometry",
+     lambda g, t: ["verify", g[1], truncated_hash(g, t, 8192), g[3]],
+     r"nbd-verity: .*/short\.img: hash image is 8192 bytes, its geometry needs 16384"),
+    ("verify-hash-image-smaller-than-a-superblock",
+     lambda g, t: ["verify", g[1], truncated_hash(g, t, 100), g[3]],
+     r"nbd-verity: .*/short\.img: too small to hold a superblock at offset 0"),
+    ("dump-superblock-past-the-end",
+     lambda g, t: ["dump", g[2], "--hash-offset=1048576"],
+     r"nbd-verity: .*hash\.img: too small to hold a superblock at offset 1048576"),
+    ("bad-superblock-magic",
+     lambda g, t: ["verify", g[1], patched_hash(g, t, 0, "8s", b"verity\0X"), g[3]],
+     r"nbd-verity: .*: superblock: not a verity superblock \(bad signature\)"),
+    ("bad-superblock-magic-dump",
+     lambda g, t: ["dump", patched_hash(g, t, 0, "8s", bytes(8))],
+     r"nbd-verity: .*: superblock: not a verity superblock \(bad signature\)"),
+    ("bad-superblock-version",
+     lambda g, t: ["verify", g[1], patched_hash(g, t, 8, "I", 2), g[3]],
+     r"nbd-verity: .*: superblock: unsupported version 2"),
+    ("bad-superblock-hash-type",
+     lambda g, t: ["dump", patched_hash(g, t, 12, "I", 2)],
+     r"nbd-verity: .*: superblock: unsupported hash type 2"),
+    ("bad-superblock-algorithm",
+     lambda g, t: ["verify", g[1], patched_hash(g, t, 32, "32s", b"whirlpool"), g[3]],
+     r"nbd-verity: .*: superblock: hash: unsupported algorithm 'whirlpool' \(supported: .*\)"),
+    ("bad-superblock-salt-size",
+     lambda g, t: ["verify", g[1], patched_hash(g, t, 80, "H", 300), g[3]],
+     r"nbd-verity: .*: superblock: salt_size 300 exceeds 256"),
+    ("bad-superblock-block-size",
+     lambda g, t: ["verify", g[1], patched_hash(g, t, 68, "I", 3000), g[3]],
+     r"nbd-verity: .*: superblock: unsupported hash block size 3000"),
+    ("bad-superblock-zero-data-blocks",
+     lambda g, t: ["dump", patched_hash(g, t, 72, "Q", 0)],
+     r"nbd-verity: .*: superblock: data-blocks: 0 \(at least one block is needed\)"),
+    ("format-unknown-algorithm",
+     lambda g, t: ["format", g[1], t / "h", "--hash=whirlpool"],
+     r"nbd-verity: hash: unsupported algorithm 'whirlpool' \(supported: md5, sha1, .*\)"),
+    ("verify-unknown-algorithm-no-superblock",
+     lambda g, t: ["verify", g[1], g[2], g[3], "--no-superblock", "--hash=sha257"],
+     r"nbd-verity: hash: unsupported algorithm 'sha257' \(supported: .*\)"),
+    ("data-block-size-not-a-power-of-two",
+     lambda g, t: ["format", g[1], t / "h", "--data-block-size=1000"],
+     r"nbd-verity: data-block-size: 1000 is not a power of two from 512 to 524288"),
+    ("data-block-size-zero",
+     lambda g, t: ["format", g[1], t / "h", "--data-block-size=0"],
+     r"nbd-verity: data-block-size: 0 is not a power of two from 512 to 524288"),
+    ("data-block-size-zero-verify",
+     lambda g, t: ["verify", g[1], g[2], g[3], "--no-superblock", "--data-block-size=0"],
+     r"nbd-verity: data-block-size: 0 is not a power of two from 512 to 524288"),
+    ("data-block-size-too-small",
+     lambda g, t: ["format", g[1], t / "h", "--data-block-size=256"],
+     r"nbd-verity: data-block-size: 256 is not a power of two from 512 to 524288"),
+    ("data-block-size-too-large",
+     lambda g, t: ["format", g[1], t / "h", "--data-block-size=1048576"],
+     r"nbd-verity: data-block-size: 1048576 is not a power of two from 512 to 524288"),
+    ("hash-block-size-too-small",
+     lambda g, t: ["format", g[1], t / "h", "--hash-block-size=256"],
+     r"nbd-verity: hash-block-size: 256 is not a power of two from 512 to 524288"),
+    ("hash-block-size-zero",
+     lambda g, t: ["format", g[1], t / "h", "--hash-block-size=0"],
+     r"nbd-verity: hash-block-size: 0 is not a power of two from 512 to 524288"),
+    ("hash-block-size-not-a-power-of-two-verify",
+     lambda g, t: ["verify", g[1], g[2], g[3], "--no-superblock", "--hash-block-size=1536"],
+     r"nbd-verity: hash-block-size: 1536 is not a power of two from 512 to 524288"),
+    ("salt-too-long",
+     lambda g, t: ["format", g[1], t / "h", "--salt=" + "ab" * 257],
+     r"nbd-verity: salt: 257 bytes exceeds the maximum of 256"),
+    ("salt-not-hex",
+     lambda g, t: ["format", g[1], t / "h", "--salt=xyz1"],
+     r"nbd-verity: salt: 'xyz1' is not a hex string"),
+    ("salt-odd-length",
+     lambda g, t: ["format", g[1], t / "h", "--salt=abc"],
+     r"nbd-verity: salt: 'abc' is not a hex string"),
+    ("root-hash-wrong-length",
+     lambda g, t: ["verify", g[1], g[2], g[3][:40]],
+     r"nbd-verity: root-hash: 20 bytes, the algorithm's digest is 32 bytes"),
+    ("root-hash-not-hex",
+     lambda g, t: ["verify", g[1], g[2], "zz" + g[3][2:]],
+     r"nbd-verity: root-hash: 'zz[0-9a-f]{62}' is not a hex string"),
+    ("root-hash-missing",
+     lambda g, t: ["verify", g[1], g[2]],
+     r"nbd-verity: root-hash: missing \(argument or --root-hash-file\)"),
+    ("root-hash-file-missing",
+     lambda g, t: ["verify", g[1], g[2], f"--root-hash-file={t / 'none'}"],
+     r"nbd-verity: root-hash-file: .*/none: No such file or directory"),
+    ("hash-offset-overlaps-the-data",
+     lambda g, t: ["format", g[1], g[1], "--hash-offset=524288"],
+     r"nbd-verity: hash-offset: 524288 overlaps the data area \(which ends at byte 1048576\)"),
+    ("hash-offset-zero-on-the-data-image",
+     lambda g, t: ["format", g[1], g[1]],
+     r"nbd-verity: hash-offset: 0 overlaps the data area \(which ends at byte 1048576\)"),
+    ("hash-offset-not-a-multiple-of-512",
+     lambda g, t: ["format", g[1], t / "h", "--hash-offset=100"],
+     r"nbd-verity: hash-offset: 100 is not a multiple of 512"),
+    ("hash-offset-negative-verify",
+     lambda g, t: ["verify", g[1], g[2], g[3], "--hash-offset=-512"],
+     r"nbd-verity: hash-offset: -512 is not a multiple of 512"),
+    ("hash-offset-not-a-multiple-of-512-dump",
+     lambda g, t: ["dump", g[2], "--hash-offset=1000"],
+     r"nbd-verity: hash-offset: 1000 is not a multiple of 512"),
+    ("format-unknown-hash-type",
+     lambda g, t: ["format", g[1], t / "h", "--format=2"],
+     r"nbd-verity: format: unsupported hash type 2 \(0 or 1\)"),
+    ("format-bad-uuid",
+     lambda g, t: ["format", g[1], t / "h", "--uuid=not-a-uuid"],
+     r"nbd-verity: uuid: 'not-a-uuid' is not a UUID"),
+    ("format-data-blocks-past-the-data",
+     lambda g, t: ["format", g[1], t / "h", "--data-blocks=257"],
+     r"nbd-verity: data-blocks: 257 blocks of 4096 bytes exceed .*data\.img \(1048576 bytes\)"),
+    ("format-data-blocks-zero",
+     lambda g, t: ["format", g[1], t / "h", "--data-blocks=0"],
+     r"nbd-verity: data-blocks: 0 \(at least one block is needed\)"),
+    ("format-data-smaller-than-a-block",
+     lambda g, t: ["format", g[1], t / "h", "--data-block-size=524288", "--data-blocks=3"],
+     r"nbd-verity: data-blocks: 3 blocks of 524288 bytes exceed .*"),
+    ("verify-data-shorter-than-the-tree",
+     lambda g, t: ["verify", truncated_hash(g, t, 4096), g[2], g[3]],
+     r"nbd-verity: .*/short\.img: 4096 bytes, the tree covers 1048576"),
+    ("verify-option-contradicts-the-superblock",
+     lambda g, t: ["verify", g[1], g[2], g[3], "--hash=sha1"],
+     r"nbd-verity: hash: 'sha1' contradicts the superblock's 'sha256'"),
+    ("verify-salt-contradicts-the-superblock",
+     lambda g, t: ["verify", g[1], g[2], g[3], "--salt=-"],
+     r"nbd-verity: salt: '-' contradicts the superblock's 'abcd'"),
+]
+
+
+@pytest.mark.parametrize(("argv", "line"), [(r[1], r[2]) for r in REJECTS],
+                         ids=[r[0] for r in REJECTS])
+def test_rejected_input(tools, good, tmp_path, argv, line):
+    _, data, hash_image, _ = good
+    before = (tools.sha256(data), tools.sha256(hash_image))
+    run = tools.ours(*argv(good, tmp_path))
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert len(run.stderr.splitlines()) == 1, run.stderr
+    assert re.fullmatch(line, run.stderr.rstrip("\n")), run.stderr
+    assert "Traceback" not in run.stderr
+    assert run.stdout == ""
+    assert (tools.sha256(data), tools.sha256(hash_image)) == before
+    assert not (tmp_path / "h").exists()  # a refused format creates no hash image
+
+
+def test_data_smaller_than_one_block(tools, tmp_path):
+    data = tools.write_image(tmp_path / "tiny.img", 100)
+    run = tools.ours("format", data, tmp_path / "h")
+    assert run.returncode == 2
+    assert run.stderr == f"nbd-verity: {data}: 100 bytes, less than one 4096-byte data block\n"
+    assert not (tmp_path / "h").exists()
+
+
+def test_format_and_verify_never_write_to_the_data_image(tools, good, tmp_path):
+    _, data, _, _ = good
+    before = tools.sha256(data)
+    mtime = data.stat().st_mtime_ns
+    run = tools.ours("format", data, tmp_path / "h", "--hash-block-size=512")
+    assert run.returncode == 0
+    root = tools.root_hash(run.stdout)
+    assert tools.ours("verify", data, tmp_path / "h", root).returncode == 0
+    assert (tools.sha256(data), data.stat().st_mtime_ns) == (before, mtime)
+
+
+def test_verify_of_a_wrong_root_hash_names_the_top_block(tools, good):
+    _, data, hash_image, root = good
+    wrong = ("0" if root[0] != "0" else "1") + root[1:]
+    run = tools.ours("verify", data, hash_image, wrong)
+    assert run.returncode == 1
+    assert run.stderr.splitlines() == [
+        "nbd-verity: metadata block 1 is corrupted (level 1)",
+        "nbd-verity: verification failed: 1 corrupted block(s)"]
