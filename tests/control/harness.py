@@ -1,0 +1,267 @@
+"""A real `nbd-verity serve` with a control socket, and the clients that talk to it.
+
+Every server here is the installed `nbd-verity serve` (which execs nbdkit), started in the
+foreground with `--exit-with-parent` and a pid file, and stopped by its pid. It is ready
+when its pid file and NBD socket exist and its control socket answers `status`: start-up
+binds the control socket in get_ready but accepts on it only from after_fork, so a reply
+proves the whole server is up. Control requests are written as raw bytes here, not with
+nbd_verity's own client, so a malformed line reaches the server exactly as written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import nbd
+
+PROJECT = Path(__file__).resolve().parents[2]
+NBD_VERITY = str(Path(sys.executable).parent / "nbd-verity")
+VERITYSETUP = shutil.which("veritysetup") or "/usr/sbin/veritysetup"
+START_TIMEOUT = 30.0  # seconds: the machine is small and shared
+STOP_TIMEOUT = 10.0
+CLASSES = ("none", "rt", "be", "idle")  # linux/ioprio.h order, written out independently
+
+
+def clean_env() -> dict:
+    """Our environment without NBD_VERITY_* defaults (ctl reads NBD_VERITY_CONTROL)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NBD_VERITY_")}
+    env["LC_ALL"] = "C"
+    return env
+
+
+@dataclass(frozen=True)
+class Image:
+    """A data image and the tree veritysetup built for it."""
+
+    data: Path
+    hash: Path
+    root: str
+
+    @property
+    def size(self) -> int:
+        return self.data.stat().st_size
+
+    def expected(self, offset: int, length: int) -> bytes:
+        with open(self.data, "rb") as f:
+            f.seek(offset)
+            return f.read(length)
+
+
+def veritysetup_format(data: Path, hash_path: Path) -> str:
+    """`veritysetup format` (4096/4096, sha256); the root hash it prints."""
+    result = subprocess.run([VERITYSETUP, "format", str(data), str(hash_path)],
+                            capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 0, f"veritysetup format failed: {result.stderr}"
+    for line in result.stdout.splitlines():
+        if line.startswith("Root hash:"):
+            return line.split(":", 1)[1].strip()
+    raise AssertionError(f"veritysetup printed no root hash:\n{result.stdout}")
+
+
+# -- control socket -------------------------------------------------------------------
+
+
+def exchange(path, payload: bytes, timeout: float = 10.0) -> bytes:
+    """Send raw bytes on a fresh control connection, half-close, return the reply line.
+
+    The server may close early (an overlong line): a send error is ignored and whatever
+    reply it wrote before closing is still read."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout)
+        sock.connect(str(path))
+        with contextlib.suppress(OSError):  # EPIPE, ECONNRESET: it stopped reading
+            sock.sendall(payload)
+            sock.shutdown(socket.SHUT_WR)
+        reply = b""
+        while not reply.endswith(b"\n"):
+            try:
+                chunk = sock.recv(65536)
+            except ConnectionResetError:
+                break
+            if not chunk:
+                break
+            reply += chunk
+    return reply
+
+
+def request(path, message: dict) -> dict:
+    """One JSON request, one decoded reply."""
+    reply = exchange(path, json.dumps(message).encode() + b"\n")
+    assert reply.endswith(b"\n"), f"no complete reply line: {reply!r}"
+    return json.loads(reply)
+
+
+def checked(path, message: dict) -> dict:
+    reply = request(path, message)
+    assert reply.get("ok") is True, f"{message} -> {reply}"
+    return reply
+
+
+# -- NBD clients ----------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def nbd_client(socket_path, export_name: str = ""):
+    """A libnbd handle on the server's Unix socket, shut down when the block ends."""
+    h = nbd.NBD()
+    if export_name:
+        h.set_export_name(export_name)
+    h.connect_unix(str(socket_path))
+    try:
+        yield h
+    finally:
+        with contextlib.suppress(nbd.Error):
+            h.shutdown()
+
+
+# -- servers --------------------------------------------------------------------------
+
+
+class Server:
+    """One `nbd-verity serve` on a Unix socket, with a control socket and a pid file."""
+
+    def __init__(self, image: Image, directory: Path, name: str, *options: str,
+                 control: Path | None = None) -> None:
+        self.image = image
+        self.socket = directory / f"{name}.sock"
+        self.control = control or directory / f"{name}.ctl"
+        self.pid_file = directory / f"{name}.pid"
+        self.log_path = directory / f"{name}.log"
+        self.argv = [NBD_VERITY, "serve", str(image.data), str(image.hash), image.root,
+                     "--unix", str(self.socket), "--control", str(self.control),
+                     "--pid-file", str(self.pid_file), "--exit-with-parent", *options]
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=self._log,
+                                     stderr=subprocess.STDOUT, env=clean_env())
+
+    def wait_ready(self) -> Server:
+        """Poll (pid file, NBD socket, a `status` reply) until ready or exited."""
+        deadline = time.monotonic() + START_TIMEOUT
+        while time.monotonic() < deadline:
+            if self._answers():
+                return self
+            try:
+                self.proc.wait(timeout=0.02)  # the polling interval; also notices an exit
+            except subprocess.TimeoutExpired:
+                continue
+            raise AssertionError(f"server exited with {self.proc.returncode} before it "
+                                 f"was ready:\n{self.log()}")
+        raise AssertionError(f"server not ready within {START_TIMEOUT} s:\n{self.log()}")
+
+    def _answers(self) -> bool:
+        with contextlib.suppress(FileNotFoundError):
+            if not (self.pid_file.read_text().strip() and self.socket.exists()):
+                return False
+            try:
+                return request(self.control, {"cmd": "status"}).get("ok") is True
+            except (OSError, ValueError):
+                return False
+        return False
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    # control shortcuts
+    def ask(self, message: dict) -> dict:
+        return checked(self.control, message)
+
+    def thresholds(self) -> dict:
+        return self.ask({"cmd": "thresholds"})["thresholds"]
+
+    def set_thresholds(self, **values: int) -> dict:
+        return self.ask({"cmd": "thresholds", "set": values})["thresholds"]
+
+    def stats(self) -> dict:
+        return self.ask({"cmd": "stats"})["stats"]
+
+    def reset_stats(self) -> None:
+        self.ask({"cmd": "stats", "reset": True})
+
+    def counts(self) -> dict:
+        """{(class, path): requests} from `stats`."""
+        classes = self.stats()["classes"]
+        return {(c, p): classes[c][p]["requests"] for c in CLASSES for p in ("inline", "pool")}
+
+    def client(self, export_name: str = ""):
+        return nbd_client(self.socket, export_name)
+
+    def stop(self) -> int:
+        """SIGTERM by pid (SIGKILL if it hangs); returns the exit status."""
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=STOP_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                os.kill(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+
+class Servers:
+    """Starts servers in one directory and stops every one of them at teardown."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.started: list[Server] = []
+
+    def start(self, image: Image, *options: str, control: Path | None = None,
+              ready: bool = True) -> Server:
+        server = Server(image, self.directory, f"s{len(self.started)}", *options,
+                        control=control)
+        self.started.append(server)
+        return server.wait_ready() if ready else server
+
+    def stop_all(self) -> None:
+        """Stop every server, even if stopping one of them fails; then report that."""
+        errors = []
+        for server in self.started:
+            try:
+                server.stop()
+            except Exception as e:
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
+
+def run(argv: list, timeout: float = 60.0, **kwargs) -> subprocess.CompletedProcess:
+    """Run a command that must end by itself; killed by pid (and failed) if it does not."""
+    proc = subprocess.Popen([str(a) for a in argv], stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            **kwargs)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.kill(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"{argv} did not finish in {timeout} s:\n{err}") from None
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
+def ctl(control, *args: str) -> subprocess.CompletedProcess:
+    """`nbd-verity ctl --control PATH ARGS...` as a user runs it."""
+    return run([NBD_VERITY, "ctl", "--control", str(control), *args], env=clean_env())
+
+
+def one_error_line(result: subprocess.CompletedProcess) -> str:
+    """The single stderr line of a failed command (non-zero, nothing on stdout)."""
+    assert result.returncode != 0, f"expected a failure, got 0:\n{result.stdout}"
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, f"expected one line on stderr, got:\n{result.stderr}"
+    assert result.stdout == "", result.stdout
+    assert "Traceback" not in result.stderr
+    return lines[0]
