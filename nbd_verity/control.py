@@ -30,6 +30,13 @@ MAX_LINE = 64 << 10
 MAX_CLIENTS = 8
 
 
+_FIELDS = {  # the fields each command accepts
+    "thresholds": {"cmd", "set", "preset"},
+    "stats": {"cmd", "reset"},
+    "status": {"cmd"},
+}
+
+
 class ProtocolError(VerityError):
     """A control request that is malformed or asks for something impossible."""
 
@@ -49,6 +56,7 @@ class Control:
 
     def __init__(self, device) -> None:
         self.device = device
+        self._lock = threading.Lock()
 
     def handle_line(self, line: bytes) -> dict:
         try:
@@ -64,29 +72,31 @@ class Control:
 
     def handle(self, request: dict) -> dict:
         command = _field(request, "cmd", str)
-        handler = {"thresholds": self._thresholds, "stats": self._stats,
-                   "status": self._status}.get(command)
-        if handler is None:
+        if command is None:
+            raise ProtocolError("cmd: missing (thresholds, stats, status)")
+        if command not in _FIELDS:
             raise ProtocolError(f"cmd: unknown command {command!r} (thresholds, stats, status)")
-        return handler(request)
+        unknown = set(request) - _FIELDS[command]
+        if unknown:
+            raise ProtocolError(f"unknown field(s): {', '.join(sorted(unknown))}")
+        return getattr(self, f"_{command}")(request)
 
     def _thresholds(self, request: dict) -> dict:
         dispatcher = self.device.dispatcher
-        unknown = set(request) - {"cmd", "set", "preset"}
-        if unknown:
-            raise ProtocolError(f"unknown field(s): {', '.join(sorted(unknown))}")
         changes = _field(request, "set", dict)
         name = _field(request, "preset", str)
         if changes is not None and name is not None:
             raise ProtocolError("give set or preset, not both")
         try:
-            if name is not None:
-                dispatcher.set_table(preset(name))
-            elif changes is not None:
-                dispatcher.set_table(updated_table(dispatcher.table, changes))
+            with self._lock:  # writers serialise, so two partial updates both land
+                if name is not None:
+                    dispatcher.set_table(preset(name))
+                elif changes is not None:
+                    dispatcher.set_table(updated_table(dispatcher.table, changes))
+                table = dispatcher.table
         except ConfigError as e:
             raise ProtocolError(str(e)) from None
-        return {"thresholds": table_dict(dispatcher.table)}
+        return {"thresholds": table_dict(table)}
 
     def _stats(self, request: dict) -> dict:
         reply = {"stats": self.device.stats()}
@@ -162,6 +172,9 @@ def _lines(conn: socket.socket):
         pending += data
         while b"\n" in pending:
             line, pending = pending.split(b"\n", 1)
+            if len(line) > MAX_LINE:
+                yield None
+                return
             if line.strip():
                 yield line
         if len(pending) > MAX_LINE:

@@ -140,11 +140,13 @@ class Dispatcher:
         length = len(buf)
         path = decide(self.table, io_class, length)
         started = time.perf_counter()
-        if path == INLINE:
-            self._read(buf, offset)
-        else:
-            self._read_in_pool(buf, offset)
-        self.stats.record(io_class, path, length, time.perf_counter() - started)
+        try:
+            if path == INLINE:
+                self._read(buf, offset)
+            else:
+                self._read_in_pool(buf, offset)
+        finally:  # failed requests count too, and their latency
+            self.stats.record(io_class, path, length, time.perf_counter() - started)
 
     def _read_in_pool(self, buf: memoryview, offset: int) -> None:
         """Split on block boundaries into chunks, verify them in parallel, wait for all.
