@@ -243,7 +243,7 @@ def dump_cmd(hash_image: str, hash_offset: int) -> None:
     print_header(hash_image, read_params(hash_image, hash_offset))
 
 
-from . import cli_ctl, cli_serve  # noqa: E402,F401  (register `serve` and `ctl`)
+from . import cli_ctl, cli_serve, cli_tune  # noqa: E402,F401  (register `serve`, `ctl`, `tune`)
 
 if __name__ == "__main__":
     main()
