@@ -8,6 +8,7 @@ the image size. The data image is only ever opened read-only.
 
 from __future__ import annotations
 
+import mmap
 import os
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -21,7 +22,11 @@ from .params import VerityParams
 from .superblock import SUPERBLOCK_SIZE
 
 SB_WRITE_BLOCK = 4096  # veritysetup's largest superblock write for a file (see below)
-CHUNK_SIZE = 8 << 20  # bytes of data per read; two halves hashed in parallel
+CHUNK_SIZE = 8 << 20  # bytes of hash image per read when walking a level
+WINDOW_SIZE = 32 << 20  # bytes of data mapped at once
+PART_SIZE = 4 << 20  # bytes of data one pool task hashes
+READ_AHEAD = 2  # windows mapped and queued beyond the one being collected
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux: fault the window in at once
 Progress = Callable[[int], None]  # called with bytes of data just processed
 
 
@@ -51,23 +56,60 @@ def data_slot_chunks(fd: int, geo: TreeGeometry, digester: Digester,
                      progress: Progress | None = None,
                      workers: int | None = None) -> Iterator[tuple[int, bytes]]:
     """Yield (first data block, concatenated slots) for all data blocks, in order."""
-    workers = workers or min(4, os.cpu_count() or 1)
+    workers = workers or default_workers()
     dbs = geo.data_block_size
-    per_chunk = max(1, CHUNK_SIZE // dbs)
-    per_part = -(-per_chunk // workers)
+    per_part = max(PART_SIZE, dbs) // dbs
     pending: deque = deque()
     with ThreadPoolExecutor(workers, thread_name_prefix="hash") as pool:
-        for start in range(0, geo.data_blocks, per_chunk):
-            count = min(per_chunk, geo.data_blocks - start)
-            buf = pread_exact(fd, count * dbs, start * dbs, "data")
-            mv = memoryview(buf)
-            parts = [pool.submit(digester.slots_of, mv[p * dbs:(p + per_part) * dbs], dbs)
+        for start, count, view in data_windows(fd, geo):
+            parts = [pool.submit(digester.slots_of, view[p * dbs:(p + per_part) * dbs], dbs)
                      for p in range(0, count, per_part)]
+            del view  # the parts hold the window until they are hashed; then it is unmapped
             pending.append((start, count, parts))
-            if len(pending) > 2:  # keep reading ahead while the pool hashes
+            if len(pending) > READ_AHEAD:  # keep mapping ahead while the pool hashes
                 yield _finish(pending.popleft(), progress, dbs)
         while pending:
             yield _finish(pending.popleft(), progress, dbs)
+
+
+def default_workers() -> int:
+    """One hashing thread per usable CPU, at most four (measured: more only adds GIL
+    hand-offs)."""
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        usable = os.cpu_count() or 1
+    return max(1, min(4, usable))
+
+
+def data_windows(fd: int, geo: TreeGeometry) -> Iterator[tuple[int, int, memoryview]]:
+    """(first block, block count, bytes) of the data, one window at a time.
+
+    A window is mapped (MAP_POPULATE) rather than read: hashing then reads the page cache
+    directly, which saves copying every byte once (about 10% of format's CPU time on
+    1 GiB here). An image that cannot be mapped is read with pread instead. The image
+    must not shrink while it is mapped (the kernel would kill us with SIGBUS), so its
+    size is checked first; veritysetup gives wrong results in that case anyway.
+    """
+    dbs = geo.data_block_size
+    size = os.lseek(fd, 0, os.SEEK_END)  # st_size is 0 for a block device
+    if size < geo.data_size:
+        raise ImageIOError(f"data: image ends at byte {size}, {geo.data_size} needed")
+    per_window = max(WINDOW_SIZE, dbs) // dbs  # a multiple of the page size: both 2**n
+    use_mmap = True
+    for start in range(0, geo.data_blocks, per_window):
+        count = min(per_window, geo.data_blocks - start)
+        view = None
+        if use_mmap:
+            try:
+                view = memoryview(mmap.mmap(fd, count * dbs, offset=start * dbs,
+                                            flags=mmap.MAP_SHARED | _MAP_POPULATE,
+                                            prot=mmap.PROT_READ))
+            except (OSError, ValueError):  # e.g. a character device: fall back to reads
+                use_mmap = False
+        if view is None:
+            view = memoryview(pread_exact(fd, count * dbs, start * dbs, "data"))
+        yield start, count, view
 
 
 def _finish(item, progress: Progress | None, dbs: int) -> tuple[int, bytes]:

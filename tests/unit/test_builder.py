@@ -1,0 +1,129 @@
+"""The streaming builder: its tuning knobs never change the tree, and verify's report."""
+
+from __future__ import annotations
+
+import mmap
+import random
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from nbd_verity import builder
+from nbd_verity.cli import main
+from nbd_verity.errors import DataCorruption, HashCorruption, ImageIOError
+from nbd_verity.params import VerityParams
+
+
+def make_data(path: Path, size: int, seed: int = 7) -> Path:
+    path.write_bytes(random.Random(seed).randbytes(size))
+    return path
+
+
+@pytest.fixture
+def image(tmp_path):
+    """3 MiB + 3 blocks of random data, 4096-byte blocks, 512-byte hash blocks."""
+    data = make_data(tmp_path / "data", (3 << 20) + 3 * 4096)
+    params = VerityParams(data_blocks=771, hash_block_size=512, salt=b"salt",
+                          uuid=bytes(16)).check()
+    reference = tmp_path / "reference.hash"
+    root = builder.build_tree(str(data), str(reference), params)
+    return data, params, reference.read_bytes(), root
+
+
+@pytest.mark.parametrize(("window", "part", "ahead", "workers"), [
+    (64 << 10, 16 << 10, 0, 1),
+    (64 << 10, 12 << 10, 1, 3),    # parts that do not divide the window
+    (4096, 4096, 2, 2),            # one block per window
+    (1 << 20, 1 << 20, 5, 4),
+])
+def test_window_part_and_worker_counts_do_not_change_the_tree(
+        tmp_path, image, monkeypatch, window, part, ahead, workers):
+    data, params, reference, root = image
+    monkeypatch.setattr(builder, "WINDOW_SIZE", window)
+    monkeypatch.setattr(builder, "PART_SIZE", part)
+    monkeypatch.setattr(builder, "READ_AHEAD", ahead)
+    monkeypatch.setattr(builder, "default_workers", lambda: workers)
+    out = tmp_path / "out.hash"
+    assert builder.build_tree(str(data), str(out), params) == root
+    assert out.read_bytes() == reference
+    assert builder.verify_image(str(data), str(out), params, root).ok
+
+
+def test_images_that_cannot_be_mapped_are_read(tmp_path, image, monkeypatch):
+    data, params, reference, root = image
+    calls = []
+
+    def refuse(*args, **kwargs):
+        calls.append(args)
+        raise OSError(19, "No such device")
+
+    monkeypatch.setattr(mmap, "mmap", refuse)
+    monkeypatch.setattr(builder, "WINDOW_SIZE", 1 << 20)
+    out = tmp_path / "out.hash"
+    assert builder.build_tree(str(data), str(out), params) == root
+    assert out.read_bytes() == reference
+    assert len(calls) == 1  # after the first refusal every window is read
+
+
+def test_data_shorter_than_the_geometry(tmp_path):
+    data = make_data(tmp_path / "data", 10 * 4096)
+    params = VerityParams(data_blocks=11).check()
+    with pytest.raises(ImageIOError, match="data: image ends at byte 40960, 45056 needed"):
+        builder.build_tree(str(data), str(tmp_path / "hash"), params)
+
+
+def test_progress_adds_up_to_the_data_size(tmp_path, image, monkeypatch):
+    data, params, _, _ = image
+    monkeypatch.setattr(builder, "WINDOW_SIZE", 1 << 20)
+    seen = []
+    builder.build_tree(str(data), str(tmp_path / "out"), params, seen.append)
+    assert sum(seen) == 771 * 4096
+    assert len(seen) == 4
+
+
+def test_verify_reports_the_first_ten_and_counts_all(tmp_path, image):
+    data, params, reference, root = image
+    (tmp_path / "hash").write_bytes(reference)
+    buf = bytearray(data.read_bytes())
+    bad = [3, 4, 100, 200, 201, 202, 300, 400, 500, 600, 700, 769, 770]
+    for block in bad:
+        buf[block * 4096 + 11] ^= 1
+    data.write_bytes(bytes(buf))
+    report = builder.verify_image(str(data), str(tmp_path / "hash"), params, root)
+    assert report.bad_count == len(bad)
+    assert [e.block_index for e in report.bad] == bad[:10]
+    assert all(isinstance(e, DataCorruption) for e in report.bad)
+
+
+def test_a_corrupted_leaf_is_reported_instead_of_its_data_blocks(tmp_path, image):
+    data, params, reference, root = image
+    geo = params.geometry()
+    leaf, _ = geo.slot_of(0, 40)  # the leaf holding data block 40's digest
+    buf = bytearray(reference)
+    buf[leaf * 512 + 3] ^= 1
+    (tmp_path / "hash").write_bytes(bytes(buf))
+    damaged = bytearray(data.read_bytes())
+    damaged[40 * 4096] ^= 1  # under the bad leaf: cannot be judged, so not reported
+    damaged[700 * 4096] ^= 1  # elsewhere: reported
+    data.write_bytes(bytes(damaged))
+    report = builder.verify_image(str(data), str(tmp_path / "hash"), params, root)
+    assert [(type(e), e.block_index) for e in report.bad] == [
+        (HashCorruption, leaf), (DataCorruption, 700)]
+    assert report.bad[0].level == 0
+
+
+def test_cli_prints_ten_blocks_then_a_count(tmp_path, image):
+    data, _, reference, root = image
+    hash_image = tmp_path / "hash"
+    hash_image.write_bytes(reference)
+    buf = bytearray(data.read_bytes())
+    for block in range(13):
+        buf[block * 4096] ^= 1
+    data.write_bytes(bytes(buf))
+    result = CliRunner().invoke(main, ["verify", str(data), str(hash_image), root.hex()])
+    assert result.exit_code == 1
+    assert result.stderr.splitlines() == [
+        *(f"nbd-verity: data block {i} is corrupted" for i in range(10)),
+        "nbd-verity: ... 3 more",
+        "nbd-verity: verification failed: 13 corrupted block(s)"]
