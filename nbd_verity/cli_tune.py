@@ -22,8 +22,8 @@ import time
 
 import click
 
+from . import cli_ctl  # its control_request, looked up when called (cli imports us)
 from .cli import EXIT_ERROR, edge, main
-from .cli_ctl import control_request
 from .config import config_from_pairs, parse_size
 from .dispatch import MAX_REQUEST_SIZE
 from .errors import ConfigError, VerityError
@@ -91,7 +91,7 @@ class Target:
         self.control = control
 
     def request(self, request: dict) -> dict:
-        reply = control_request(self.control, request)
+        reply = cli_ctl.control_request(self.control, request)
         if not reply.get("ok"):
             raise VerityError(f"server: {reply.get('error', 'unknown error')}")
         return reply
@@ -192,6 +192,8 @@ def verdict(sweep: ClassSweep) -> str:
     else:
         text = (f"{sweep.io_class}: recommend {chosen} ({size_text(chosen)}): the largest "
                 f"size where inline is at least as fast as the pool")
+    if chosen == sweep.sizes[-1]:
+        text += " (the largest size swept: any crossover lies above it)"
     close = sweep.close_calls()
     if close:
         shown = ", ".join(f"{size_text(s)} ({sweep.ratio(s):.2f}x ±{sweep.noise(s) * 100:.1f}%)"
@@ -362,8 +364,9 @@ def _print(sweeps, settings: Settings, noise: float, apply: bool, final: dict,
         click.echo(f"\nclass {sweep.io_class}")
         click.echo(sweep_text(sweep))
         click.echo(verdict(sweep))
-    click.echo(f"\nnoise: ±{noise * 100:.1f}% (median coefficient of variation across "
-               f"{settings.repeat} repetitions)")
+    click.echo(f"\nnoise: ±{noise * 100:.1f}% (median coefficient of variation of MB/s "
+               f"across {settings.repeat} repetitions; the noise column is that of the "
+               f"inline/pool ratio, each repetition's two runs paired)")
     recommended = " ".join(f"{s.io_class}={s.recommendation}" for s in sweeps)
     if apply:
         click.echo(f"applied: {recommended}")

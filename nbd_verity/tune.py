@@ -10,7 +10,9 @@ not the disk). libnbd releases the GIL while it waits, so the clients overlap.
 
 Drift (other work on the machine) is cancelled by repetition: each repetition sweeps
 every size, and alternates which mode goes first. A point's figure is the median of its
-repetitions and its noise the coefficient of variation (stdev / mean) across them.
+repetitions and its noise the coefficient of variation (stdev / mean) across them; the
+inline/pool ratio of a size is the median of the ratios of each repetition's two runs,
+which ran back to back, so that slow drift cancels in each ratio.
 
 Recommendation: the kernel maintainers' rule for dm-verity's use_bh_bytes, "the largest
 size at which inline is at least as fast as the pool". A threshold T sends every size up
@@ -47,8 +49,8 @@ class Settings:
     """How long and how hard to measure."""
 
     sizes: tuple[int, ...] = SIZES
-    duration: float = 1.0  # seconds per measurement
-    repeat: int = 3  # repetitions of each (size, mode)
+    duration: float = 0.5  # seconds per measurement
+    repeat: int = 5  # repetitions of each (size, mode)
     connections: int = 1  # concurrent clients
     span: int = 256 << 20  # bytes of the device the random offsets fall in
 
@@ -86,13 +88,20 @@ class ClassSweep:
     def mb_s(self, size: int, mode: str) -> float:
         return self.points[(size, mode)].median / 1e6
 
+    def paired_ratios(self, size: int) -> list[float]:
+        """inline/pool of each repetition: the two runs of a repetition are next to each
+        other in time, so slow drift (other work on the machine) cancels in their ratio."""
+        pairs = zip(self.points[(size, INLINE)].samples, self.points[(size, POOL)].samples,
+                    strict=True)
+        return [i / p if p else math.inf for i, p in pairs]
+
     def ratio(self, size: int) -> float:
-        pool = self.points[(size, POOL)].median
-        return self.points[(size, INLINE)].median / pool if pool else math.inf
+        """The median of the paired ratios."""
+        return statistics.median(self.paired_ratios(size))
 
     def noise(self, size: int) -> float:
-        """Relative uncertainty of the ratio at size: both modes' CVs combined."""
-        return math.hypot(self.points[(size, INLINE)].cv, self.points[(size, POOL)].cv)
+        """Coefficient of variation of the paired ratios (0 with one repetition)."""
+        return Point(self.paired_ratios(size)).cv
 
     @property
     def recommendation(self) -> int:
