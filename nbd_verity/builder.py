@@ -8,6 +8,7 @@ the image size. The data image is only ever opened read-only.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 from collections import deque
@@ -31,11 +32,14 @@ Progress = Callable[[int], None]  # called with bytes of data just processed
 
 
 def pread_exact(fd: int, size: int, offset: int, what: str) -> bytes:
-    """Read exactly size bytes or raise ImageIOError naming the image."""
+    """Read exactly size bytes or raise ImageIOError naming the image (what)."""
     chunks = []
     got = 0
     while got < size:
-        buf = os.pread(fd, size - got, offset + got)
+        try:
+            buf = os.pread(fd, size - got, offset + got)
+        except OSError as e:
+            raise ImageIOError(f"{what}: {e.strerror} (reading at byte {offset + got})") from None
         if not buf:
             raise ImageIOError(
                 f"{what}: image ends at byte {offset + got}, {offset + size} needed"
@@ -43,6 +47,17 @@ def pread_exact(fd: int, size: int, offset: int, what: str) -> bytes:
         chunks.append(buf)
         got += len(buf)
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def pwrite_all(fd: int, buf: bytes, offset: int, what: str) -> None:
+    """Write all of buf at offset or raise ImageIOError naming the image (what)."""
+    view = memoryview(buf)
+    while view:
+        try:
+            done = os.pwrite(fd, view, offset)
+        except OSError as e:
+            raise ImageIOError(f"{what}: {e.strerror} (writing at byte {offset})") from None
+        view, offset = view[done:], offset + done
 
 
 def open_ro(path: str) -> int:
@@ -53,15 +68,15 @@ def open_ro(path: str) -> int:
 
 
 def data_slot_chunks(fd: int, geo: TreeGeometry, digester: Digester,
-                     progress: Progress | None = None,
-                     workers: int | None = None) -> Iterator[tuple[int, bytes]]:
+                     progress: Progress | None = None, workers: int | None = None,
+                     what: str = "data") -> Iterator[tuple[int, bytes]]:
     """Yield (first data block, concatenated slots) for all data blocks, in order."""
     workers = workers or default_workers()
     dbs = geo.data_block_size
     per_part = max(PART_SIZE, dbs) // dbs
     pending: deque = deque()
     with ThreadPoolExecutor(workers, thread_name_prefix="hash") as pool:
-        for start, count, view in data_windows(fd, geo):
+        for start, count, view in data_windows(fd, geo, what):
             parts = [pool.submit(digester.slots_of, view[p * dbs:(p + per_part) * dbs], dbs)
                      for p in range(0, count, per_part)]
             del view  # the parts hold the window until they are hashed; then it is unmapped
@@ -82,7 +97,8 @@ def default_workers() -> int:
     return max(1, min(4, usable))
 
 
-def data_windows(fd: int, geo: TreeGeometry) -> Iterator[tuple[int, int, memoryview]]:
+def data_windows(fd: int, geo: TreeGeometry,
+                 what: str = "data") -> Iterator[tuple[int, int, memoryview]]:
     """(first block, block count, bytes) of the data, one window at a time.
 
     A window is mapped (MAP_POPULATE) rather than read: hashing then reads the page cache
@@ -94,7 +110,7 @@ def data_windows(fd: int, geo: TreeGeometry) -> Iterator[tuple[int, int, memoryv
     dbs = geo.data_block_size
     size = os.lseek(fd, 0, os.SEEK_END)  # st_size is 0 for a block device
     if size < geo.data_size:
-        raise ImageIOError(f"data: image ends at byte {size}, {geo.data_size} needed")
+        raise ImageIOError(f"{what}: image ends at byte {size}, {geo.data_size} needed")
     per_window = max(WINDOW_SIZE, dbs) // dbs  # a multiple of the page size: both 2**n
     use_mmap = True
     for start in range(0, geo.data_blocks, per_window):
@@ -108,7 +124,7 @@ def data_windows(fd: int, geo: TreeGeometry) -> Iterator[tuple[int, int, memoryv
             except (OSError, ValueError):  # e.g. a character device: fall back to reads
                 use_mmap = False
         if view is None:
-            view = memoryview(pread_exact(fd, count * dbs, start * dbs, "data"))
+            view = memoryview(pread_exact(fd, count * dbs, start * dbs, what))
         yield start, count, view
 
 
@@ -134,50 +150,68 @@ def pack_blocks(slots: bytes, geo: TreeGeometry) -> bytes:
     return b"".join(out)
 
 
-def level_blocks(fd: int, geo: TreeGeometry, level: int) -> Iterator[tuple[int, bytes]]:
+def level_blocks(fd: int, geo: TreeGeometry, level: int,
+                 what: str = "hash") -> Iterator[tuple[int, bytes]]:
     """Yield (index in level, block bytes) for every block of one level, read in chunks."""
     hbs = geo.hash_block_size
     total = geo.level_blocks[level]
     per_read = max(1, CHUNK_SIZE // hbs)
     for first in range(0, total, per_read):
         n = min(per_read, total - first)
-        buf = pread_exact(fd, n * hbs, (geo.level_start[level] + first) * hbs,
-                          f"hash level {level}")
+        buf = pread_exact(fd, n * hbs, (geo.level_start[level] + first) * hbs, what)
         for i in range(n):
             yield first + i, buf[i * hbs:(i + 1) * hbs]
 
 
 def build_tree(data_path: str, hash_path: str, params: VerityParams,
                progress: Progress | None = None) -> bytes:
-    """Write the superblock (unless disabled) and the tree; return the root digest."""
+    """Write the superblock (unless disabled) and the tree; return the root digest.
+
+    A hash image this call created is removed again if the build fails.
+    """
     params.check()
-    geo, digester = params.geometry(), params.digester()
     data_fd = open_ro(data_path)
+    created = not os.path.exists(hash_path)
     try:
         hash_fd = os.open(hash_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     except OSError as e:
         os.close(data_fd)
         raise ImageIOError(f"{hash_path}: {e.strerror}") from None
     try:
-        if params.superblock:
-            os.pwrite(hash_fd, params.to_superblock().pack(), params.hash_offset)
-        if geo.levels == 0:  # one data block: its digest is the root
-            block = pread_exact(data_fd, geo.data_block_size, 0, "data")
-            if params.superblock:
-                _pad_superblock(hash_fd, params)
-            return digester.digest(block)
-        _write_level0(data_fd, hash_fd, geo, digester, progress)
-        for level in range(1, geo.levels):
-            slots = [digester.slot(b) for _, b in level_blocks(hash_fd, geo, level - 1)]
-            os.pwrite(hash_fd, pack_blocks(b"".join(slots), geo),
-                      geo.level_start[level] * geo.hash_block_size)
-        top = pread_exact(hash_fd, geo.hash_block_size,
-                          geo.level_start[-1] * geo.hash_block_size, "hash top level")
-        os.fsync(hash_fd)
-        return digester.digest(top)
+        return _build(data_fd, hash_fd, params, progress, (data_path, hash_path))
+    except OSError as e:  # fsync, ftruncate: the hash image (reads and writes say which)
+        failure: Exception = ImageIOError(f"{hash_path}: {e.strerror}")
+    except BaseException as e:
+        failure = e
     finally:
         os.close(data_fd)
         os.close(hash_fd)
+    if created:
+        with contextlib.suppress(OSError):
+            os.unlink(hash_path)
+    raise failure
+
+
+def _build(data_fd: int, hash_fd: int, params: VerityParams, progress: Progress | None,
+           names: tuple[str, str]) -> bytes:
+    geo, digester = params.geometry(), params.digester()
+    data_name, hash_name = names
+    if params.superblock:
+        pwrite_all(hash_fd, params.to_superblock().pack(), params.hash_offset, hash_name)
+    if geo.levels == 0:  # one data block: its digest is the root
+        block = pread_exact(data_fd, geo.data_block_size, 0, data_name)
+        if params.superblock:
+            _pad_superblock(hash_fd, params)
+        return digester.digest(block)
+    _write_level0(data_fd, hash_fd, geo, digester, progress, names)
+    for level in range(1, geo.levels):
+        slots = [digester.slot(b) for _, b in level_blocks(hash_fd, geo, level - 1, hash_name)]
+        pwrite_all(hash_fd, pack_blocks(b"".join(slots), geo),
+                   geo.level_start[level] * geo.hash_block_size, hash_name)
+    top = pread_exact(hash_fd, geo.hash_block_size,
+                      geo.level_start[-1] * geo.hash_block_size, hash_name)
+    os.fsync(hash_fd)
+    return digester.digest(top)
 
 
 def _pad_superblock(fd: int, params: VerityParams) -> None:
@@ -194,20 +228,21 @@ def _pad_superblock(fd: int, params: VerityParams) -> None:
 
 
 def _write_level0(data_fd: int, hash_fd: int, geo: TreeGeometry, digester: Digester,
-                  progress: Progress | None) -> None:
+                  progress: Progress | None, names: tuple[str, str]) -> None:
     """Hash all data blocks and write level 0 as whole hash blocks."""
+    data_name, hash_name = names
     per_block = geo.hashes_per_block * geo.slot_size
     offset = geo.level_start[0] * geo.hash_block_size
     carry = b""
-    for _, slots in data_slot_chunks(data_fd, geo, digester, progress):
+    for _, slots in data_slot_chunks(data_fd, geo, digester, progress, what=data_name):
         slots = carry + slots
         whole = len(slots) - len(slots) % per_block
         carry = slots[whole:]
         packed = pack_blocks(slots[:whole], geo)
-        os.pwrite(hash_fd, packed, offset)
+        pwrite_all(hash_fd, packed, offset, hash_name)
         offset += len(packed)
     if carry:
-        os.pwrite(hash_fd, pack_blocks(carry, geo), offset)
+        pwrite_all(hash_fd, pack_blocks(carry, geo), offset, hash_name)
 
 
 @dataclass
@@ -240,11 +275,12 @@ def verify_image(data_path: str, hash_path: str, params: VerityParams, root: byt
             raise ImageIOError(f"{hash_path}: hash image is {hash_size} bytes,"
                                f" its geometry needs {geo.hash_image_size}")
         if geo.levels == 0:
-            if digester.digest(pread_exact(data_fd, geo.data_block_size, 0, "data")) != root:
+            if digester.digest(pread_exact(data_fd, geo.data_block_size, 0, data_path)) != root:
                 report.add(DataCorruption(0))
             return report
-        bad = _verify_hash_levels(hash_fd, geo, digester, root, report)
-        _verify_data(data_fd, hash_fd, geo, digester, bad, report, progress)
+        bad = _verify_hash_levels(hash_fd, geo, digester, root, report, hash_path)
+        _verify_data(data_fd, hash_fd, geo, digester, bad, report, progress,
+                     (data_path, hash_path))
         return report
     finally:
         os.close(data_fd)
@@ -252,20 +288,20 @@ def verify_image(data_path: str, hash_path: str, params: VerityParams, root: byt
 
 
 def _verify_hash_levels(fd: int, geo: TreeGeometry, digester: Digester, root: bytes,
-                        report: VerifyReport) -> bytearray:
+                        report: VerifyReport, hash_name: str) -> bytearray:
     """Verify levels top-down; return the bad-block map of level 0 (1 = untrusted)."""
     top = geo.levels - 1
     top_block = pread_exact(fd, geo.hash_block_size,
-                            geo.level_start[top] * geo.hash_block_size, "hash top level")
+                            geo.level_start[top] * geo.hash_block_size, hash_name)
     parent_bad = bytearray(1)
     if digester.digest(top_block) != root:
         report.add(HashCorruption(geo.level_start[top], top))
         parent_bad[0] = 1
     for level in range(top - 1, -1, -1):
         bad = bytearray(geo.level_blocks[level])
-        upper = level_blocks(fd, geo, level + 1)
+        upper = level_blocks(fd, geo, level + 1, hash_name)
         current = (-1, b"")
-        for index, block in level_blocks(fd, geo, level):
+        for index, block in level_blocks(fd, geo, level, hash_name):
             parent_index = index >> geo.hpb_bits
             if parent_bad[parent_index]:
                 bad[index] = 1  # untrusted, but only its bad ancestor is reported
@@ -283,12 +319,13 @@ def _verify_hash_levels(fd: int, geo: TreeGeometry, digester: Digester, root: by
 
 def _verify_data(data_fd: int, hash_fd: int, geo: TreeGeometry, digester: Digester,
                  bad_leaves: bytearray, report: VerifyReport,
-                 progress: Progress | None) -> None:
+                 progress: Progress | None, names: tuple[str, str]) -> None:
     """Compare each data block's digest with its slot in a verified level-0 block."""
+    data_name, hash_name = names
     per_block = geo.hashes_per_block * geo.slot_size
-    leaves = level_blocks(hash_fd, geo, 0)
+    leaves = level_blocks(hash_fd, geo, 0, hash_name)
     pending = b""
-    for first, slots in data_slot_chunks(data_fd, geo, digester, progress):
+    for first, slots in data_slot_chunks(data_fd, geo, digester, progress, what=data_name):
         pending += slots
         last = first + len(slots) // geo.slot_size == geo.data_blocks
         while len(pending) >= per_block or (last and pending):

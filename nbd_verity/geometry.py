@@ -15,6 +15,9 @@ from .errors import FormatError
 from .superblock import SUPERBLOCK_SIZE, block_size_ok
 
 MAX_LEVELS = 63
+# Images are files or block devices, addressed with a signed 64-bit off_t (cryptsetup
+# checks against 2**64, but no file or device can reach past 2**63 - 1).
+MAX_OFFSET = (1 << 63) - 1
 
 
 def hash_start_block(hash_offset: int, hash_block_size: int, superblock: bool) -> int:
@@ -58,8 +61,9 @@ class TreeGeometry:
                 )
         if data_blocks < 1:
             raise FormatError(f"data-blocks: {data_blocks} (at least one block is needed)")
-        if data_blocks * data_block_size >= 1 << 64:
-            raise FormatError(f"data-blocks: {data_blocks} blocks overflow 64-bit offsets")
+        if data_blocks * data_block_size > MAX_OFFSET:
+            raise FormatError(f"data-blocks: {data_blocks} blocks of {data_block_size} bytes "
+                              f"end past the largest file offset (2**63 - 1)")
         if hash_block_size < 2 * digest_size:
             raise FormatError(
                 f"hash-block-size: {hash_block_size} is too small for {digest_size}-byte digests"
@@ -76,8 +80,9 @@ class TreeGeometry:
         for i in reversed(range(levels)):  # the root-most level comes first on disk
             starts[i] = position
             position += sizes[i]
-        if position * hash_block_size >= 1 << 64:
-            raise FormatError("hash-offset: the tree would end past 2**64 bytes")
+        if position * hash_block_size > MAX_OFFSET:
+            raise FormatError("hash-offset: the tree would end past the largest file offset "
+                              "(2**63 - 1)")
         return cls(data_blocks, data_block_size, hash_block_size, slot_size, hpb_bits,
                    hash_start_block, sizes, tuple(starts))
 

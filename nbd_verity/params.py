@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 
 from .digest import Digester, normalize_algorithm
 from .errors import ConfigError, FormatError, ImageIOError, SuperblockError
-from .geometry import TreeGeometry, hash_start_block
+from .geometry import MAX_OFFSET, TreeGeometry, hash_start_block
 from .superblock import SUPERBLOCK_SIZE, Superblock, block_size_ok
 
 DEFAULT_SALT_SIZE = 32
@@ -44,8 +44,7 @@ class VerityParams:
                 raise ConfigError(f"{name}: {size} is not a power of two from 512 to 524288")
         if len(self.salt) > 256:
             raise ConfigError(f"salt: {len(self.salt)} bytes exceeds the maximum of 256")
-        if self.hash_offset < 0 or self.hash_offset % 512:
-            raise ConfigError(f"hash-offset: {self.hash_offset} is not a multiple of 512")
+        check_hash_offset(self.hash_offset)
         self.geometry()  # raises on impossible sizes
         return self
 
@@ -91,6 +90,9 @@ def check_hash_offset(hash_offset: int) -> int:
     """veritysetup's rule: the superblock or tree starts on a 512-byte boundary."""
     if hash_offset < 0 or hash_offset % 512:
         raise ConfigError(f"hash-offset: {hash_offset} is not a multiple of 512")
+    if hash_offset + SUPERBLOCK_SIZE > MAX_OFFSET:
+        raise ConfigError(f"hash-offset: {hash_offset} is past the largest file offset "
+                          f"(2**63 - 1)")
     return hash_offset
 
 
@@ -102,7 +104,8 @@ def read_superblock(hash_path: str, hash_offset: int = 0) -> Superblock:
             f.seek(hash_offset)
             buf = f.read(SUPERBLOCK_SIZE)
     except OSError as e:
-        raise ImageIOError(f"{hash_path}: {e.strerror}") from None
+        where = f": cannot read a superblock at offset {hash_offset}" if hash_offset else ""
+        raise ImageIOError(f"{hash_path}{where}: {e.strerror}") from None
     if len(buf) < SUPERBLOCK_SIZE:
         raise ImageIOError(
             f"{hash_path}: too small to hold a superblock at offset {hash_offset}"

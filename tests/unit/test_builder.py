@@ -127,3 +127,34 @@ def test_cli_prints_ten_blocks_then_a_count(tmp_path, image):
         *(f"nbd-verity: data block {i} is corrupted" for i in range(10)),
         "nbd-verity: ... 3 more",
         "nbd-verity: verification failed: 13 corrupted block(s)"]
+
+
+@pytest.mark.parametrize("existed", [False, True])
+def test_a_failed_write_removes_only_a_hash_image_it_created(tmp_path, image, monkeypatch,
+                                                              existed):
+    data, params, _, _ = image
+    out = tmp_path / "out.hash"
+    if existed:
+        out.write_bytes(b"kept")
+
+    def disk_full(fd, buf, offset):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(builder.os, "pwrite", disk_full)
+    with pytest.raises(ImageIOError, match=r"out\.hash: No space left on device "
+                                           r"\(writing at byte 0\)"):
+        builder.build_tree(str(data), str(out), params)
+    assert out.exists() == existed
+
+
+def test_a_failed_read_names_the_data_image(tmp_path, image, monkeypatch):
+    data, params, _, _ = image
+
+    def broken(*args, **kwargs):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(mmap, "mmap", broken)
+    monkeypatch.setattr(builder.os, "pread", broken)
+    with pytest.raises(ImageIOError, match=r"/data: Input/output error \(reading at byte 0\)"):
+        builder.build_tree(str(data), str(tmp_path / "out"), params)
+    assert not (tmp_path / "out").exists()

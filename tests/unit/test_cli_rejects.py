@@ -161,6 +161,13 @@ REJECTS = [
     ("hash-offset-not-a-multiple-of-512-dump",
      lambda g, t: ["dump", g[2], "--hash-offset=1000"],
      r"nbd-verity: hash-offset: 1000 is not a multiple of 512"),
+    ("hash-offset-past-the-largest-file-offset",
+     lambda g, t: ["format", g[1], t / "h", f"--hash-offset={1 << 63}"],
+     r"nbd-verity: hash-offset: 9223372036854775808 is past the largest file offset "
+     r"\(2\*\*63 - 1\)"),
+    ("hash-offset-past-the-largest-file-offset-verify",
+     lambda g, t: ["verify", g[1], g[2], g[3], f"--hash-offset={(1 << 63) - 512}"],
+     r"nbd-verity: hash-offset: 9223372036854775296 is past the largest file offset .*"),
     ("format-unknown-hash-type",
      lambda g, t: ["format", g[1], t / "h", "--format=2"],
      r"nbd-verity: format: unsupported hash type 2 \(0 or 1\)"),

@@ -113,12 +113,13 @@ def test_level_of_block_and_index_in_level():
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"data_blocks": 0}, "data-blocks: 0 .at least one block is needed"),
     ({"data_blocks": -5}, "data-blocks: -5 .at least one block is needed"),
-    ({"data_blocks": 1 << 52}, "overflow 64-bit offsets"),
+    ({"data_blocks": 1 << 51}, "end past the largest file offset"),  # exactly 2**63 bytes
+    ({"data_blocks": 1 << 54, "dbs": 512}, "end past the largest file offset"),
     ({"data_blocks": 10, "dbs": 1000}, "data-block-size: 1000 is not a power of two"),
     ({"data_blocks": 10, "dbs": 256}, "data-block-size: 256 is not a power of two"),
     ({"data_blocks": 10, "hbs": 1 << 20}, "hash-block-size: 1048576 is not a power of two"),
     ({"data_blocks": 10, "hbs": 512, "digest_size": 512}, "too small for 512-byte digests"),
-    ({"data_blocks": 10, "start": 1 << 60}, "past 2..64 bytes"),
+    ({"data_blocks": 10, "start": 1 << 51}, "the tree would end past the largest file offset"),
 ])
 def test_impossible_geometries_are_refused(kwargs, message):
     with pytest.raises(FormatError, match=message):
