@@ -1,0 +1,207 @@
+"""The systemd units in systemd/: they verify, and their ExecStart really serves.
+
+`systemd-analyze verify` checks syntax, dependencies and that each command exists. The
+shipped units name /usr/local/bin/nbd-verity; the test verifies a copy where only that path
+is replaced by this checkout's entry point, and asserts nothing else changed. Then the
+service's own ExecStart line, expanded as systemd would expand it, runs under
+`systemd-socket-activate` and serves a veritysetup image to a libnbd client.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import random
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import nbd  # python3-libnbd, a Debian package; the venv sees system site-packages
+import pytest
+
+UNITS = Path(__file__).resolve().parent.parent / "systemd"
+UNIT_FILES = ("nbd-verity@.service", "nbd-verity@.socket", "nbd-verity-attach@.service")
+SHIPPED_BIN = "/usr/local/bin/nbd-verity"
+NBD_VERITY = Path(sys.executable).parent / "nbd-verity"
+BLOCK = 4096
+
+
+@pytest.fixture(scope="module")
+def systemd_tools() -> None:
+    """systemd-analyze and systemd-socket-activate (Debian package systemd), installed once."""
+    if shutil.which("systemd-analyze") and shutil.which("systemd-socket-activate"):
+        return
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    subprocess.run(["apt-get", "update", "-qq"], check=True, env=env)
+    subprocess.run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", "systemd"],
+                   check=True, env=env)
+
+
+def unit_lines(name: str) -> list[str]:
+    return (UNITS / name).read_text().splitlines()
+
+
+def directive(name: str, key: str) -> list[str]:
+    """Every value of key= in unit name (no continuation lines are used in ours)."""
+    return [line.split("=", 1)[1] for line in unit_lines(name) if line.startswith(f"{key}=")]
+
+
+def test_units_name_the_installed_paths():
+    assert directive("nbd-verity@.service", "ExecStart")[0].startswith(f"{SHIPPED_BIN} serve ")
+    for key in ("ExecStart", "ExecStop"):
+        assert directive("nbd-verity-attach@.service", key)[0].startswith("/usr/sbin/nbd-client ")
+
+
+def test_units_verify(systemd_tools, tmp_path: Path):
+    for name in UNIT_FILES:
+        text = (UNITS / name).read_text()
+        copy = text.replace(SHIPPED_BIN, str(NBD_VERITY))
+        # Only the one path differs from what ships.
+        assert copy.replace(str(NBD_VERITY), SHIPPED_BIN) == text
+        (tmp_path / name).write_text(copy)
+    instances = [str(tmp_path / name.replace("@.", "@demo.")) for name in UNIT_FILES]
+    out = subprocess.run(["systemd-analyze", "verify", "--man=no", *instances],
+                         capture_output=True, text=True)
+    # verify exits 0 on mere warnings (e.g. an unknown key): any output is a failure too.
+    assert (out.returncode, out.stdout + out.stderr) == (0, "")
+
+
+def test_every_unit_line_is_known(systemd_tools, tmp_path: Path):
+    """verify must catch a bad key; otherwise test_units_verify proves nothing."""
+    bad = (UNITS / "nbd-verity@.service").read_text().replace(SHIPPED_BIN, str(NBD_VERITY))
+    (tmp_path / "nbd-verity@.service").write_text(bad + "ProtectEverything=yes\n")
+    shutil.copy(UNITS / "nbd-verity@.socket", tmp_path)
+    out = subprocess.run(["systemd-analyze", "verify", "--man=no",
+                          str(tmp_path / "nbd-verity@demo.service")],
+                         capture_output=True, text=True)
+    assert "Unknown key 'ProtectEverything'" in out.stderr
+
+
+def expand_exec(line: str, env: dict[str, str], specifiers: dict[str, str]) -> list[str]:
+    """An Exec*= line as systemd runs it: %-specifiers, then ${VAR} (one word) and $VAR
+    (split on whitespace) from env. Only the forms our units use."""
+    line = re.sub(r"%(.)", lambda m: specifiers[m.group(1)], line)
+    argv = []
+    for word in shlex.split(line):
+        whole = re.fullmatch(r"\$\{(\w+)\}|\$(\w+)", word)
+        if whole and whole.group(2):
+            argv += env.get(whole.group(2), "").split()
+        else:
+            argv.append(re.sub(r"\$\{(\w+)\}", lambda m: env.get(m.group(1), ""), word))
+    return argv
+
+
+def read_conf(path: Path) -> dict[str, str]:
+    """An EnvironmentFile: KEY=value lines, # comments."""
+    pairs = (line.split("=", 1) for line in path.read_text().splitlines()
+             if line.strip() and not line.lstrip().startswith("#"))
+    return {key.strip(): value.strip() for key, value in pairs}
+
+
+def test_example_conf_names_every_variable():
+    conf = read_conf(UNITS / "nbd-verity.conf.example")
+    used = set()
+    for name in UNIT_FILES:
+        for line in unit_lines(name):
+            if line.startswith("Exec"):
+                used |= set(re.findall(r"\$\{?(\w+)\}?", line))
+    assert used <= set(conf), f"undocumented: {used - set(conf)}"
+
+
+@pytest.fixture
+def export(tmp_path: Path) -> dict[str, str]:
+    """A 1 MiB random image, its veritysetup tree, and a config like /etc/nbd-verity/X.conf."""
+    data = tmp_path / "data.img"
+    data.write_bytes(random.Random(5).randbytes(256 * BLOCK))
+    root_file = tmp_path / "root.txt"
+    subprocess.run(["veritysetup", "format", str(data), str(tmp_path / "hash.img"),
+                    f"--root-hash-file={root_file}"], check=True, capture_output=True)
+    conf = read_conf(UNITS / "nbd-verity.conf.example")
+    conf.update(DATA=str(data), HASH=str(tmp_path / "hash.img"),
+                ROOT_HASH=root_file.read_text().strip())
+    return conf
+
+
+def test_socket_activated_service_serves(systemd_tools, export, tmp_path: Path):
+    data = Path(export["DATA"])
+    # Corrupt block 9 after formatting: the served image no longer matches its tree.
+    with open(data, "r+b") as f:
+        f.seek(9 * BLOCK)
+        f.write(b"\xff" * 16)
+    runtime = tmp_path / "run"
+    (runtime / "nbd-verity" / "demo").mkdir(parents=True)  # the unit's RuntimeDirectory
+    specifiers = {"i": "demo", "t": str(runtime), "%": "%"}
+    (exec_start,) = directive("nbd-verity@.service", "ExecStart")
+    argv = expand_exec(exec_start, export, specifiers)
+    argv[0] = argv[0].replace(SHIPPED_BIN, str(NBD_VERITY))
+    (listen,) = directive("nbd-verity@.socket", "ListenStream")
+    sock = re.sub(r"%(.)", lambda m: specifiers[m.group(1)], listen)
+    log = tmp_path / "server.log"
+    with open(log, "wb") as log_f:
+        proc = subprocess.Popen(["systemd-socket-activate", "-l", sock, "-E", "PATH", *argv],
+                                stdin=subprocess.DEVNULL, stdout=log_f, stderr=subprocess.STDOUT)
+    try:
+        wait_for_log(proc, log, "Listening on")
+        h = nbd.NBD()
+        h.connect_unix(sock)
+        # The exec chain kept one pid: nbdkit's LISTEN_PID check passed.
+        assert Path(f"/proc/{proc.pid}/comm").read_text().strip() == "nbdkit"
+        expected = data.read_bytes()
+        assert h.pread(9 * BLOCK, 0) == expected[:9 * BLOCK]
+        assert h.pread(246 * BLOCK, 10 * BLOCK) == expected[10 * BLOCK:]
+        with pytest.raises(nbd.Error) as failed:
+            h.pread(BLOCK, 9 * BLOCK)
+        assert failed.value.errnum == errno.EIO
+        h.shutdown()
+        control = runtime / "nbd-verity" / "demo" / "ctl.sock"
+        status = subprocess.run([str(NBD_VERITY), "ctl", "--control", str(control), "status",
+                                 "--json"], check=True, capture_output=True, text=True).stdout
+        assert json.loads(status)["status"]["status"] == "C"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def wait_for_log(proc: subprocess.Popen, log: Path, text: str, timeout_s: float = 20) -> None:
+    deadline = time.monotonic() + timeout_s
+    while text not in log.read_text(errors="replace"):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise AssertionError(f"no {text!r} from the server:\n{log.read_text()}")
+        time.sleep(0.05)
+
+
+@pytest.mark.xfail(reason="nbdkit's shutdown waits for clients to hang up; a kernel NBD client "
+                          "never does, so Restart=on-failure never sees the exit",
+                   strict=True)
+def test_restart_on_corruption_exits_with_a_client_connected(export, tmp_path: Path):
+    """The unit's Restart=on-failure needs the server to exit (75) while clients stay."""
+    with open(export["DATA"], "r+b") as f:
+        f.seek(9 * BLOCK)
+        f.write(b"\xff" * 16)
+    sock, pid_file = tmp_path / "nbd.sock", tmp_path / "nbd.pid"
+    log = tmp_path / "server.log"
+    with open(log, "wb") as log_f:
+        proc = subprocess.Popen(
+            [str(NBD_VERITY), "serve", export["DATA"], export["HASH"], export["ROOT_HASH"],
+             "--unix", str(sock), "--pid-file", str(pid_file), "--restart-on-corruption"],
+            stdin=subprocess.DEVNULL, stdout=log_f, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 20
+        while not pid_file.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        h = nbd.NBD()
+        h.connect_unix(str(sock))
+        with pytest.raises(nbd.Error):
+            h.pread(BLOCK, 9 * BLOCK)
+        # The client stays connected, as /dev/nbdN does.
+        assert proc.wait(timeout=5) == 75
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
