@@ -324,12 +324,14 @@ def _verify_data(data_fd: int, hash_fd: int, geo: TreeGeometry, digester: Digest
     data_name, hash_name = names
     per_block = geo.hashes_per_block * geo.slot_size
     leaves = level_blocks(hash_fd, geo, 0, hash_name)
-    pending = b""
+    carry = b""
     for first, slots in data_slot_chunks(data_fd, geo, digester, progress, what=data_name):
-        pending += slots
+        pending = carry + slots if carry else slots
         last = first + len(slots) // geo.slot_size == geo.data_blocks
-        while len(pending) >= per_block or (last and pending):
-            ours, pending = pending[:per_block], pending[per_block:]
+        whole = len(pending) if last else len(pending) - len(pending) % per_block
+        carry = pending[whole:]
+        for offset in range(0, whole, per_block):  # one leaf's worth of slots at a time
+            ours = pending[offset:offset + per_block]
             leaf_index, leaf = next(leaves)
             if bad_leaves[leaf_index] or leaf[:len(ours)] == ours:
                 continue  # a bad leaf is reported itself; its data cannot be judged
