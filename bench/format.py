@@ -1,0 +1,270 @@
+"""`make bench-format`: nbd-verity format/verify against veritysetup, side by side.
+
+Both tools build and check the tree of the same random image (1 GiB by default) with the
+same salt and UUID; runs alternate between the tools so that a background load hits both
+alike, each run writes a fresh hash image, and the median wall time of each is reported
+with the ratio ours/theirs (below 1: we are faster). The image is kept in --dir and
+reused; it is read once before timing so that both tools read it from the page cache.
+The table goes to stdout and into the "Format and verify" section of docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import resource
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+OURS = str(Path(sys.executable).parent / "nbd-verity")
+THEIRS = "/usr/sbin/veritysetup"
+DOC = REPO / "docs" / "benchmarks.md"
+SECTION = "## Format and verify"
+SALT = "e48da609055204e89ae53b655ca2216dd983cf3cb829f34f63a297d106d53e2d"
+UUID = "a60c98d2-ae9b-4865-bfcb-b4e3ace11033"
+
+
+@dataclass
+class Timing:
+    """Wall and CPU (user + system, all threads) seconds of one command."""
+
+    wall: float
+    cpu: float
+
+
+def run_timed(argv: list[str]) -> tuple[Timing, str]:
+    """Run argv; return its timing and stdout; stop the benchmark if it fails."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    done = subprocess.run(argv, capture_output=True, text=True, check=False)
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if done.returncode != 0:
+        sys.exit(f"bench: {shlex.join(argv)} failed ({done.returncode}): {done.stderr}")
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return Timing(wall, cpu), done.stdout
+
+
+def root_hash(stdout: str) -> str:
+    return next(line.split()[-1] for line in stdout.splitlines()
+                if line.startswith("Root hash:"))
+
+
+def prepare_image(directory: Path, size_mib: int) -> Path:
+    """A random image of size_mib MiB, made once and reused; then read into the cache."""
+    directory.mkdir(parents=True, exist_ok=True)
+    image = directory / f"format-{size_mib}m.img"
+    if not image.exists() or image.stat().st_size != size_mib << 20:
+        print(f"creating {image} ({size_mib} MiB of random data)...", flush=True)
+        with open(image.with_suffix(".tmp"), "wb") as f:
+            for _ in range(size_mib):
+                f.write(os.urandom(1 << 20))
+            f.flush()
+            os.fsync(f.fileno())  # no writeback of it may overlap a timed run
+        image.with_suffix(".tmp").rename(image)
+    with open(image, "rb") as f:
+        while f.read(16 << 20):
+            pass
+    return image
+
+
+def bench(image: Path, work: Path, reps: int) -> dict[str, dict[str, list[Timing]]]:
+    """Alternate ours and theirs, format then verify, reps times each."""
+    results: dict[str, dict[str, list[Timing]]] = {
+        op: {"nbd-verity": [], "veritysetup": []} for op in ("format", "verify")}
+    roots = {}
+    tools = {"nbd-verity": OURS, "veritysetup": THEIRS}
+    for rep in range(reps + 1):  # the first round warms up (imports, caches): not counted
+        order = list(tools.items()) if rep % 2 == 0 else list(reversed(tools.items()))
+        for name, exe in order:
+            hash_image = work / f"{name}.hash"
+            hash_image.unlink(missing_ok=True)  # neither tool truncates an existing one
+            timing, out = run_timed([exe, "format", str(image), str(hash_image),
+                                     f"--salt={SALT}", f"--uuid={UUID}"])
+            roots[name] = root_hash(out)
+            if rep:
+                results["format"][name].append(timing)
+        if roots["nbd-verity"] != roots["veritysetup"]:
+            sys.exit(f"bench: the root hashes differ: {roots}")
+        if (work / "nbd-verity.hash").read_bytes() != (work / "veritysetup.hash").read_bytes():
+            sys.exit("bench: the hash images differ")
+        for name, exe in order:
+            timing, _ = run_timed([exe, "verify", str(image), str(work / f"{name}.hash"),
+                                   roots[name]])
+            if rep:
+                results["verify"][name].append(timing)
+    return results
+
+
+SWEEP = [  # (window MiB, part MiB, hashing threads); the first row is the default
+    (32, 4, 2), (32, 4, 1), (32, 4, 3), (32, 4, 4), (32, 1, 2), (32, 8, 2), (8, 1, 2),
+    (8, 4, 2), (128, 4, 2), (128, 16, 2),
+]
+SWEEP_SECTION = "## Builder tuning"
+
+
+def sweep(image: Path, reps: int) -> str:
+    """Time level-0 hashing in-process (no start-up, no writes) for each SWEEP row."""
+    sys.path.insert(0, str(REPO))
+    from nbd_verity import builder
+    from nbd_verity.params import VerityParams
+
+    size = image.stat().st_size
+    params = VerityParams(data_blocks=size // 4096, salt=bytes.fromhex(SALT)).check()
+    geo, digester = params.geometry(), params.digester()
+    defaults = builder.WINDOW_SIZE, builder.PART_SIZE
+    times: dict[tuple, list[Timing]] = {row: [] for row in SWEEP}
+    fd = os.open(image, os.O_RDONLY)
+    try:
+        for _ in range(reps):
+            for row in SWEEP:
+                builder.WINDOW_SIZE, builder.PART_SIZE = row[0] << 20, row[1] << 20
+                cpu0, start = time.process_time(), time.perf_counter()
+                for _ in builder.data_slot_chunks(fd, geo, digester, workers=row[2]):
+                    pass
+                times[row].append(Timing(time.perf_counter() - start,
+                                         time.process_time() - cpu0))
+    finally:
+        os.close(fd)
+        builder.WINDOW_SIZE, builder.PART_SIZE = defaults
+    lines = ["| window MiB | part MiB | threads | wall s (median) | wall s (min) | CPU s "
+             "| GB/s |", "|---:|---:|---:|---:|---:|---:|---:|"]
+    for row, timings in times.items():
+        wall = statistics.median(t.wall for t in timings)
+        lines.append(f"| {row[0]} | {row[1]} | {row[2]} | {wall:.3f} "
+                     f"| {min(t.wall for t in timings):.3f} "
+                     f"| {statistics.median(t.cpu for t in timings):.2f} "
+                     f"| {size / wall / 1e9:.2f} |")
+    return "\n".join(lines)
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def versions() -> str:
+    theirs = subprocess.run([THEIRS, "--version"], capture_output=True, text=True,
+                            check=False).stdout.strip()
+    return f"{theirs}; Python {platform.python_version()}"
+
+
+def table(results, size_mib: int) -> str:
+    """A Markdown table: median wall (and CPU) seconds, throughput and ratio per operation."""
+    lines = ["| operation | nbd-verity wall s | veritysetup wall s | ratio (ours/theirs) "
+             "| nbd-verity GB/s | nbd-verity CPU s | veritysetup CPU s |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for op, by_tool in results.items():
+        ours = statistics.median(t.wall for t in by_tool["nbd-verity"])
+        theirs = statistics.median(t.wall for t in by_tool["veritysetup"])
+        our_cpu = statistics.median(t.cpu for t in by_tool["nbd-verity"])
+        their_cpu = statistics.median(t.cpu for t in by_tool["veritysetup"])
+        rate = (size_mib << 20) / ours / 1e9
+        lines.append(f"| {op} | {ours:.3f} | {theirs:.3f} | **{ours / theirs:.2f}** "
+                     f"| {rate:.2f} | {our_cpu:.2f} | {their_cpu:.2f} |")
+    return "\n".join(lines)
+
+
+def section(results, size_mib: int, reps: int, command: str, loads: tuple) -> str:
+    spread = []
+    for op, by_tool in results.items():
+        for name, timings in by_tool.items():
+            walls = sorted(t.wall for t in timings)
+            spread.append(f"{op} {name} {walls[0]:.3f}-{walls[-1]:.3f}")
+    return "\n".join([
+        SECTION,
+        "",
+        f"`nbd-verity format` and `verify` against `veritysetup format` and `verify` of the "
+        f"same {size_mib} MiB random image (in the page cache), same salt and UUID, fresh "
+        f"hash image per run; median of {reps} alternating runs after one warm-up round. "
+        "Wall time includes process start-up. CPU is user + system time of all threads.",
+        "",
+        table(results, size_mib),
+        "",
+        f"- Machine: {cpu_model()}, {os.cpu_count()} logical CPUs; {versions()}.",
+        f"- 1-minute load average before and after the run: {loads[0][0]:.2f}, "
+        f"{loads[1][0]:.2f} (the machine is shared; other work inflates both tools' times, "
+        "ours more, as it needs both CPUs).",
+        f"- Range (min-max wall s): {'; '.join(spread)}.",
+        f"- Measured {time.strftime('%Y-%m-%d %H:%M %Z')} with: `{command}`",
+        "",
+    ])
+
+
+def update_doc(heading: str, text: str) -> None:
+    """Replace a section of docs/benchmarks.md (up to the next '## '), or append it."""
+    old = DOC.read_text() if DOC.exists() else "# Benchmarks\n\n"
+    start = old.find(heading + "\n")
+    if start < 0:
+        new = old.rstrip("\n") + "\n\n" + text
+    else:
+        end = old.find("\n## ", start + len(heading))
+        new = old[:start] + text + (old[end + 1:] if end >= 0 else "")
+    DOC.parent.mkdir(parents=True, exist_ok=True)
+    DOC.write_text(new)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size-mib", type=int, default=1024, help="image size (MiB)")
+    parser.add_argument("--reps", type=int, default=5, help="timed runs per tool")
+    parser.add_argument("--dir", type=Path, default=Path("/var/tmp/nbd-verity-bench-format"),
+                        help="where the image is kept between runs")
+    parser.add_argument("--no-doc", action="store_true", help="do not update the docs")
+    parser.add_argument("--sweep", action="store_true",
+                        help="instead, time level-0 hashing in-process per window, part "
+                             "and thread count")
+    args = parser.parse_args()
+    command = "make bench-format" if len(sys.argv) == 1 else (
+        ".venv/bin/python bench/format.py " + shlex.join(sys.argv[1:]))
+    image = prepare_image(args.dir, args.size_mib)
+    work = args.dir / "work"
+    work.mkdir(exist_ok=True)
+    load = os.getloadavg()
+    print(f"{cpu_model()}, {os.cpu_count()} CPUs; load {load[0]:.2f}; image {image}",
+          flush=True)
+    if args.sweep:
+        found = sweep(image, args.reps)
+        after = os.getloadavg()[0]
+        print(found)
+        print(f"load average before {load[0]:.2f}, after {after:.2f}")
+        if not args.no_doc:
+            update_doc(SWEEP_SECTION, "\n".join([
+                SWEEP_SECTION, "",
+                f"Level-0 hashing of the same {args.size_mib} MiB image in-process "
+                "(`builder.data_slot_chunks`: no start-up, no writes), per mapped window "
+                "size, pool task size and thread count; median of "
+                f"{args.reps} alternating runs. {cpu_model()}, {os.cpu_count()} logical "
+                f"CPUs; 1-minute load average {load[0]:.2f} before, {after:.2f} after.",
+                "", found, "", f"Measured {time.strftime('%Y-%m-%d %H:%M %Z')} with: "
+                f"`{command}`", ""]))
+            print(f"\nupdated {DOC.relative_to(REPO)}")
+        return
+    results = bench(image, work, args.reps)
+    loads = (load, os.getloadavg())
+    text = section(results, args.size_mib, args.reps, command, loads)
+    print()
+    print(table(results, args.size_mib))
+    print(f"load average before {loads[0][0]:.2f}, after {loads[1][0]:.2f}")
+    for name in ("nbd-verity", "veritysetup"):
+        (work / f"{name}.hash").unlink(missing_ok=True)
+    if not args.no_doc:
+        update_doc(SECTION, text)
+        print(f"\nupdated {DOC.relative_to(REPO)}")
+
+
+if __name__ == "__main__":
+    main()
