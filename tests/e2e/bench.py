@@ -57,8 +57,10 @@ def render(rows: dict[str, dict[str, FioResult]], columns: dict[str, str], note:
         cells = [f"{results[job].mb_s:.1f} MB/s ({results[job].iops:.0f} IOPS)"
                  for job in columns]
         lines.append(f"| {device} | " + " | ".join(cells) + " |")
+    load = os.getloadavg()[0]
     lines += ["", f"Recorded {time.strftime('%Y-%m-%d')}: {os.cpu_count()} host cores, "
-              f"host kernel {platform.release()}.", ""]
+              f"host kernel {platform.release()}, host load average "
+              f"{load:.1f} at the end (other work on the host lowers every row).", ""]
     return "\n".join(lines)
 
 

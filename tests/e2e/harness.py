@@ -274,7 +274,7 @@ def boot_guest(netns: Netns, script: str, disks: Sequence[Path], work: Path,
 
 
 def _uml_argv(disks: Sequence[Path], work: Path) -> list[str]:
-    for path in (work, *disks):
+    for path in (GUEST_DIR, work, *disks):
         if any(c in str(path) for c in " ,:="):
             raise ValueError(f"e2e: {path}: UML's command line cannot carry ' ,:=' in a path")
     argv = [shutil.which("linux.uml") or "/usr/bin/linux.uml", f"mem={GUEST_MEM}",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -162,7 +163,9 @@ nbd_detach nbd1
     with guest_run(script, [export.data, export.hash], servers, tmp_path / "run") as run:
         rows = {title: {job: read_fio(run.work / f"{prefix}-{job}.json") for job in FIO_JOBS}
                 for prefix, (_, title) in targets.items()}
-    note = ("fio in the guest: psync, direct, 2 jobs, 3 s each, 64 MiB random image, "
+        guest_kernel = re.search(r"init up, kernel (\S+)", run.console).group(1)
+    note = (f"fio in a UML {guest_kernel} guest: psync, direct, 2 jobs, 3 s each, "
+            "64 MiB random image, "
             "`nbd-client -b 4096` over slirp. The link into the guest bounds the NBD rows: "
             "compare servers with each other, not with dm-verity.")
     text = render(rows, {job: title for job, (_, _, title) in FIO_JOBS.items()}, note)
