@@ -3,9 +3,10 @@ SHELL := /bin/bash
 VENV := $(CURDIR)/.venv
 PY := $(VENV)/bin/python
 DEB_PACKAGES := nbdkit nbdkit-plugin-python python3-libnbd libnbd-bin fio cryptsetup-bin \
-	nbd-client python3-venv nbdfuse fuse3 e2fsprogs util-linux openssl
+	nbd-client python3-venv nbdfuse fuse3 e2fsprogs util-linux openssl \
+	user-mode-linux slirp socat busybox-static iproute2 systemd
 
-.PHONY: setup demo test lint bench bench-format e2e clean
+.PHONY: setup demo test lint bench bench-format e2e e2e-bench clean
 
 setup: $(VENV)/.installed
 
@@ -35,6 +36,12 @@ lint: setup
 
 bench: setup
 	$(PY) bench/run.py
+
+e2e: setup
+	$(PY) -m pytest tests/e2e tests/test_systemd.py
+
+e2e-bench: setup
+	NBD_VERITY_E2E_RECORD=1 $(PY) -m pytest tests/e2e -k test_fio_figures -s
 
 bench-format: setup
 	$(PY) bench/format.py

@@ -18,7 +18,7 @@ from .config import config_from_pairs
 from .errors import ConfigError
 from .server import Device
 
-PLUGIN = Path(__file__).resolve().parent.parent / "plugin.py"
+PLUGIN = Path(__file__).resolve().parent / "nbdkit_plugin.py"  # what plugin.py loads
 
 
 def plugin_pairs(data: str, hash_image: str, root_hash: str | None,
@@ -69,7 +69,7 @@ def nbdkit_command(pairs, listen: dict) -> list[str]:
 def plugin_environment() -> dict:
     """Environment for nbdkit: PYTHONPATH reaches nbd_verity and this install's packages."""
     env = dict(os.environ)
-    paths = [str(PLUGIN.parent), sysconfig.get_paths()["purelib"]]
+    paths = [str(PLUGIN.parent.parent), sysconfig.get_paths()["purelib"]]
     if env.get("PYTHONPATH"):
         paths.append(env["PYTHONPATH"])
     env["PYTHONPATH"] = os.pathsep.join(paths)

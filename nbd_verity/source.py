@@ -39,7 +39,7 @@ class ImageFile:
                                    f"{offset + done}: {e.strerror}") from None
             if n == 0:
                 raise ImageIOError(f"{self.role} image {self.path} ends at byte "
-                                   f"{offset + done}, {offset + total} needed (truncated?)")
+                                   f"{self.size()}, {offset + total} needed (truncated?)")
             done += n
 
     def read(self, size: int, offset: int) -> bytearray:

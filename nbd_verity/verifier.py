@@ -54,10 +54,14 @@ class Counters:
             for name in self.FIELDS:
                 setattr(self, name, 0)
 
-    def add(self, **amounts: int) -> None:
+    def add(self, **amounts: int) -> int:
+        """Add to counters; return the new value of the last one (read under the lock)."""
+        value = 0
         with self._lock:
             for name, amount in amounts.items():
-                setattr(self, name, getattr(self, name) + amount)
+                value = getattr(self, name) + amount
+                setattr(self, name, value)
+        return value
 
     def snapshot(self) -> dict:
         with self._lock:
@@ -200,7 +204,7 @@ class Verifier:
         geo = self.geo
         dbs, bits, slot = geo.data_block_size, geo.hpb_bits, geo.slot_size
         slots_of = self.digester.slots_of
-        done = 0
+        done = matched = 0
         while done < count:
             block = first + done
             leaf_index = block >> bits
@@ -208,10 +212,12 @@ class Verifier:
             leaf = self._hash_block(0, leaf_index)
             start = (block - (leaf_index << bits)) * slot
             piece = mv[done * dbs:(done + run) * dbs]
-            if slots_of(piece, dbs) != leaf[start:start + run * slot]:
+            if slots_of(piece, dbs) == leaf[start:start + run * slot]:
+                matched += run
+            else:  # counts its own blocks
                 self._verify_blocks_one_by_one(piece, block, run)
             done += run
-        self.counters.add(data_blocks_verified=count)
+        self.counters.add(data_blocks_verified=matched)
 
     def _verify_blocks_one_by_one(self, mv: memoryview, first: int, count: int) -> None:
         """The general path: zero blocks, check-at-most-once, recheck and errors."""
@@ -260,8 +266,7 @@ class Verifier:
         """Count and log a corruption, then act on it as the error mode says."""
         counters = self.counters
         counters.corrupted = True
-        counters.add(corruptions=1)
-        seen = counters.corruptions
+        seen = counters.add(corruptions=1)
         if seen <= MAX_LOGGED_ERRORS:
             log(str(error))
         if seen == MAX_LOGGED_ERRORS:

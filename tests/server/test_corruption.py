@@ -119,8 +119,6 @@ def test_restart_on_corruption_exits_75_after_the_first_corrupt_read(default_ima
     assert "Traceback" not in log
 
 
-@pytest.mark.xfail(strict=True, reason="server bug: restart-on-corruption waits for every "
-                   "connected client to disconnect before exiting (nbdkit.shutdown alone)")
 def test_restart_on_corruption_exits_while_a_client_stays_connected(default_image, servers,
                                                                     tmp_path):
     """An idle client (a kernel nbd device between requests) must not hold the server up:

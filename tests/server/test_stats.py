@@ -38,10 +38,6 @@ def test_cache_command_then_read_needs_no_hash_reads(default_image, servers, soc
         assert after["hash_reads"] > 0, after
 
 
-@pytest.mark.xfail(strict=True, reason="server bug: with ignore-corruption, the blocks of a "
-                   "mismatching run are counted twice in data_blocks_verified "
-                   "(Verifier._verify_blocks adds `count` after _verify_blocks_one_by_one "
-                   "already added them)")
 def test_each_block_read_is_counted_once(default_image, tmp_path):
     image = default_image.copy(tmp_path)
     dbs = image.data_block_size

@@ -51,8 +51,6 @@ def test_truncated_hash_image(default_image, servers, tmp_path):
     assert "Traceback" not in server.log()
 
 
-@pytest.mark.xfail(strict=True, reason="server bug: a read that starts past the new end "
-                   "reports its own offset as where the image ends (source.ImageFile)")
 def test_truncation_log_says_where_the_image_ends(default_image, servers, tmp_path):
     image = default_image.copy(tmp_path)
     dbs = image.data_block_size
