@@ -231,6 +231,18 @@ class LiveGuest:
             time.sleep(0.05)
         return path.read_text()
 
+    def signalled(self, name: str) -> bool:
+        """Whether the guest ran `host_signal name` yet, without waiting.
+
+        GuestFailed if the guest stopped before it did (as wait_for).
+        """
+        if (self.sync / name).exists():
+            return True
+        if self._proc.poll() is not None and not (self.sync / name).exists():
+            raise GuestFailed(f"guest stopped before signalling {name!r}; console log:\n"
+                              f"{self.console()}")
+        return False
+
     def signal(self, name: str, text: str = "") -> None:
         """Let the guest's `host_wait name` return (written whole, then renamed)."""
         tmp = self.sync / f".{name}.tmp"

@@ -76,6 +76,17 @@ dev_sha256() {
     echo "${sum%% *}" >"$E2E_WORK/$2"
 }
 
+# dev_sha256_direct DEV OUT BS: SHA-256 of the whole device read with direct I/O in BS
+# reads (each one request to the device, not served by the page cache).
+dev_sha256_direct() {
+    rm -f "$TMPDIR/dd.status"
+    # dash has no pipefail: dd's own status goes through a file.
+    sum=$( { dd if="/dev/$1" bs="$3" iflag=direct status=none; echo $? >"$TMPDIR/dd.status"; } |
+        sha256sum)
+    [ "$(cat "$TMPDIR/dd.status")" = 0 ] || { echo "$1: direct read failed" >&2; return 1; }
+    echo "${sum%% *}" >"$E2E_WORK/$2"
+}
+
 # dev_size DEV OUT: the device's size in bytes.
 dev_size() {
     blockdev --getsize64 "/dev/$1" >"$E2E_WORK/$2"
