@@ -205,14 +205,20 @@ def section(results, size_mib: int, reps: int, command: str, loads: tuple) -> st
 
 
 def update_doc(heading: str, text: str) -> None:
-    """Replace a section of docs/benchmarks.md (up to the next '## '), or append it."""
+    """Replace a section of docs/benchmarks.md, or append it.
+
+    A section runs from its heading to the next '## ' heading or the next '<!--' marker
+    (bench/run.py keeps its own part between two marker comments), or to the end.
+    """
     old = DOC.read_text() if DOC.exists() else "# Benchmarks\n\n"
     start = old.find(heading + "\n")
     if start < 0:
         new = old.rstrip("\n") + "\n\n" + text
     else:
-        end = old.find("\n## ", start + len(heading))
-        new = old[:start] + text + (old[end + 1:] if end >= 0 else "")
+        ends = [i for i in (old.find("\n## ", start + len(heading)),
+                            old.find("\n<!--", start + len(heading))) if i >= 0]
+        rest = old[min(ends) + 1:] if ends else ""
+        new = old[:start] + text.rstrip("\n") + "\n" + ("\n" + rest if rest else "")
     DOC.parent.mkdir(parents=True, exist_ok=True)
     DOC.write_text(new)
 

@@ -91,10 +91,3 @@ def tools() -> Tools:
             pytest.fail(f"{path} is missing: run `make setup` (it installs cryptsetup-bin)")
     return Tools()
 
-
-@pytest.fixture
-def make_image(tmp_path: Path):
-    """make_image(name, size, seed=0) → a fresh deterministic random file in tmp_path."""
-    def make(name: str, size: int, seed: int = 0) -> Path:
-        return write_image(tmp_path / name, size, seed)
-    return make
