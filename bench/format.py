@@ -31,25 +31,55 @@ SALT = "e48da609055204e89ae53b655ca2216dd983cf3cb829f34f63a297d106d53e2d"
 UUID = "a60c98d2-ae9b-4865-bfcb-b4e3ace11033"
 
 
+QUIET = 0.10  # a round starts once other processes use less than this share of the CPUs
+
+
 @dataclass
 class Timing:
-    """Wall and CPU (user + system, all threads) seconds of one command."""
+    """Wall and CPU (user + system, all threads) seconds of one command, and the share
+    of the machine's CPU time that other processes used meanwhile."""
 
     wall: float
     cpu: float
+    others: float = 0.0
+
+
+def machine_cpu() -> tuple[float, float]:
+    """(busy, total) CPU seconds of the whole machine since boot, from /proc/stat."""
+    with open("/proc/stat") as f:
+        ticks = [int(x) for x in f.readline().split()[1:9]]  # user .. steal
+    idle = ticks[3] + ticks[4]  # idle + iowait
+    hz = os.sysconf("SC_CLK_TCK")
+    return (sum(ticks) - idle) / hz, sum(ticks) / hz
 
 
 def run_timed(argv: list[str]) -> tuple[Timing, str]:
     """Run argv; return its timing and stdout; stop the benchmark if it fails."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    before, machine_before = resource.getrusage(resource.RUSAGE_CHILDREN), machine_cpu()
     start = time.perf_counter()
     done = subprocess.run(argv, capture_output=True, text=True, check=False)
     wall = time.perf_counter() - start
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    after, machine_after = resource.getrusage(resource.RUSAGE_CHILDREN), machine_cpu()
     if done.returncode != 0:
         sys.exit(f"bench: {shlex.join(argv)} failed ({done.returncode}): {done.stderr}")
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return Timing(wall, cpu), done.stdout
+    busy = machine_after[0] - machine_before[0]
+    total = machine_after[1] - machine_before[1]
+    return Timing(wall, cpu, max(0.0, busy - cpu) / total if total else 0.0), done.stdout
+
+
+def wait_until_quiet(limit: float) -> float:
+    """Wait (at most limit seconds) until other processes leave the CPUs nearly idle;
+    return the busy share seen last, so that a noisy run can be told apart."""
+    deadline = time.monotonic() + limit
+    while True:
+        busy0, total0 = machine_cpu()
+        time.sleep(1.0)
+        busy1, total1 = machine_cpu()
+        share = (busy1 - busy0) / (total1 - total0) if total1 > total0 else 0.0
+        if share < QUIET or time.monotonic() >= deadline:
+            return share
+        time.sleep(4.0)
 
 
 def root_hash(stdout: str) -> str:
@@ -75,14 +105,18 @@ def prepare_image(directory: Path, size_mib: int) -> Path:
     return image
 
 
-def bench(image: Path, work: Path, reps: int) -> dict[str, dict[str, list[Timing]]]:
-    """Alternate ours and theirs, format then verify, reps times each."""
+def bench(image: Path, work: Path, reps: int,
+          quiet_wait: float) -> dict[str, dict[str, list[Timing]]]:
+    """Alternate ours and theirs, format then verify, reps times each; each round waits
+    for a quiet machine first (the machine is shared)."""
     results: dict[str, dict[str, list[Timing]]] = {
         op: {"nbd-verity": [], "veritysetup": []} for op in ("format", "verify")}
     roots = {}
     tools = {"nbd-verity": OURS, "veritysetup": THEIRS}
     for rep in range(reps + 1):  # the first round warms up (imports, caches): not counted
         order = list(tools.items()) if rep % 2 == 0 else list(reversed(tools.items()))
+        if rep:
+            wait_until_quiet(quiet_wait)
         for name, exe in order:
             hash_image = work / f"{name}.hash"
             hash_image.unlink(missing_ok=True)  # neither tool truncates an existing one
@@ -110,7 +144,7 @@ SWEEP = [  # (window MiB, part MiB, hashing threads); the first row is the defau
 SWEEP_SECTION = "## Builder tuning"
 
 
-def sweep(image: Path, reps: int) -> str:
+def sweep(image: Path, reps: int, quiet_wait: float) -> str:
     """Time level-0 hashing in-process (no start-up, no writes) for each SWEEP row."""
     sys.path.insert(0, str(REPO))
     from nbd_verity import builder
@@ -125,6 +159,7 @@ def sweep(image: Path, reps: int) -> str:
     try:
         for _ in range(reps):
             for row in SWEEP:
+                wait_until_quiet(quiet_wait)
                 builder.WINDOW_SIZE, builder.PART_SIZE = row[0] << 20, row[1] << 20
                 cpu0, start = time.process_time(), time.perf_counter()
                 for _ in builder.data_slot_chunks(fd, geo, digester, workers=row[2]):
@@ -179,11 +214,12 @@ def table(results, size_mib: int) -> str:
 
 
 def section(results, size_mib: int, reps: int, command: str, loads: tuple) -> str:
-    spread = []
+    spread, others = [], []
     for op, by_tool in results.items():
         for name, timings in by_tool.items():
             walls = sorted(t.wall for t in timings)
             spread.append(f"{op} {name} {walls[0]:.3f}-{walls[-1]:.3f}")
+            others += [t.others for t in timings]
     return "\n".join([
         SECTION,
         "",
@@ -199,6 +235,9 @@ def section(results, size_mib: int, reps: int, command: str, loads: tuple) -> st
         f"{loads[1][0]:.2f} (the machine is shared; other work inflates both tools' times, "
         "ours more, as it needs both CPUs).",
         f"- Range (min-max wall s): {'; '.join(spread)}.",
+        f"- Other processes used {100 * statistics.median(others):.0f}% (median; at most "
+        f"{100 * max(others):.0f}%) of the machine's CPU time during the timed runs; each "
+        f"round first waited for them to use less than {100 * QUIET:.0f}%.",
         f"- Measured {time.strftime('%Y-%m-%d %H:%M %Z')} with: `{command}`",
         "",
     ])
@@ -230,6 +269,8 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, default=Path("/var/tmp/nbd-verity-bench-format"),
                         help="where the image is kept between runs")
     parser.add_argument("--no-doc", action="store_true", help="do not update the docs")
+    parser.add_argument("--quiet-wait", type=float, default=300,
+                        help="seconds a round may wait for other processes to go quiet")
     parser.add_argument("--sweep", action="store_true",
                         help="instead, time level-0 hashing in-process per window, part "
                              "and thread count")
@@ -243,7 +284,7 @@ def main() -> None:
     print(f"{cpu_model()}, {os.cpu_count()} CPUs; load {load[0]:.2f}; image {image}",
           flush=True)
     if args.sweep:
-        found = sweep(image, args.reps)
+        found = sweep(image, args.reps, args.quiet_wait)
         after = os.getloadavg()[0]
         print(found)
         print(f"load average before {load[0]:.2f}, after {after:.2f}")
@@ -253,18 +294,23 @@ def main() -> None:
                 f"Level-0 hashing of the same {args.size_mib} MiB image in-process "
                 "(`builder.data_slot_chunks`: no start-up, no writes), per mapped window "
                 "size, pool task size and thread count; median of "
-                f"{args.reps} alternating runs. {cpu_model()}, {os.cpu_count()} logical "
+                f"{args.reps} alternating runs, each after waiting for other processes to use "
+                f"less than {100 * QUIET:.0f}% of the CPUs. {cpu_model()}, "
+                f"{os.cpu_count()} logical "
                 f"CPUs; 1-minute load average {load[0]:.2f} before, {after:.2f} after.",
                 "", found, "", f"Measured {time.strftime('%Y-%m-%d %H:%M %Z')} with: "
                 f"`{command}`", ""]))
             print(f"\nupdated {DOC.relative_to(REPO)}")
         return
-    results = bench(image, work, args.reps)
+    results = bench(image, work, args.reps, args.quiet_wait)
     loads = (load, os.getloadavg())
     text = section(results, args.size_mib, args.reps, command, loads)
     print()
     print(table(results, args.size_mib))
     print(f"load average before {loads[0][0]:.2f}, after {loads[1][0]:.2f}")
+    others = [t.others for by_tool in results.values() for ts in by_tool.values() for t in ts]
+    print(f"other processes' share of the CPUs during the runs: median "
+          f"{100 * statistics.median(others):.0f}%, max {100 * max(others):.0f}%")
     for name in ("nbd-verity", "veritysetup"):
         (work / f"{name}.hash").unlink(missing_ok=True)
     if not args.no_doc:
