@@ -25,6 +25,7 @@ class Job:
     iodepth: int = 1
     runtime: float = 10.0  # seconds
     time_based: bool = True  # False: stop at the end of each job's slice (or runtime)
+    io_size: int | None = None  # bytes each job reads before it stops (not time based)
 
     def label(self) -> str:
         kind = "random" if self.rw == "randread" else "sequential"
@@ -57,6 +58,8 @@ def argv(uri: str, job: Job, device_size: int) -> list[str]:
             "--output-format=json", "--randrepeat=0"]
     if job.time_based:
         args.append("--time_based")
+    if job.io_size:
+        args.append(f"--io_size={job.io_size}")
     if job.rw == "read" and job.numjobs > 1:
         part = device_size // job.numjobs // job.bs * job.bs
         args += [f"--size={part}", f"--offset_increment={part}"]

@@ -105,9 +105,10 @@ def scaling_table(rows_in: list[dict]) -> str:
     return table(header, rows)
 
 
-def knob_table(knob: str, rows_in: list[tuple[int, str, Result]]) -> str:
+def knob_table(knob: str, rows_in: list[tuple]) -> str:
+    """One row per knob value (in the order first seen), one column per workload."""
     labels = list(dict.fromkeys(label for _, label, _ in rows_in))
-    values = sorted({v for v, _, _ in rows_in})
+    values = list(dict.fromkeys(v for v, _, _ in rows_in))
     by = {(v, label): res for v, label, res in rows_in}
     header = [knob, *[f"{label} MB/s (IOPS)" for label in labels]]
     rows = [[v, *[f"{by[(v, lab)].mb_s:.1f} ({by[(v, lab)].iops:.0f})" for lab in labels]]

@@ -1,6 +1,6 @@
 """`make bench`: nbd-verity side by side with its ceilings, in one run on one image.
 
-Sections (BENCH_SECTIONS=main,readahead,scaling,knobs picks some; the doc is only
+Sections (BENCH_SECTIONS=main,readahead,scaling,knobs,hotpath picks some; the doc is only
 rewritten by a full, non-quick run):
   main       fio --ioengine=nbd over Unix sockets against nbdkit's C file plugin, the
              Python pass-through plugin and nbd-verity with every request inline, every
@@ -9,7 +9,10 @@ rewritten by a full, non-quick run):
              `openssl dgst -sha256` and `veritysetup verify` of the same file.
   readahead  sequential reads with and without Merkle readahead: hash-image reads per MiB.
   scaling    start-up time and RSS against the data image size (sparse 1 GiB, 64 GiB, 1 TiB).
-  knobs      throughput against the pool size (--workers) and nbdkit --threads.
+  knobs      throughput against the pool size (--workers) and nbdkit --threads, and with
+             all requests serialised (nbdkit's noparallel filter): the cost of the GIL.
+  hotpath    microseconds per request of the server's read path without nbdkit
+             (bench/hotpath.py): bookkeeping and pool hand-off, separated from I/O and hashing.
 Environment: BENCH_RUNTIME seconds per fio run (default 10), BENCH_QUICK=1 for a smoke
 run (small image, 1 s runs), BENCH_CACHE for the image directory.
 """
@@ -27,12 +30,13 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import fiorun  # noqa: E402
+import hotpath  # noqa: E402
 import images  # noqa: E402
 import report  # noqa: E402
 import servers  # noqa: E402
-from fiorun import Job  # noqa: E402
+from fiorun import Job, Result  # noqa: E402
 
-SECTIONS = ("main", "readahead", "scaling", "knobs")
+SECTIONS = ("main", "readahead", "scaling", "knobs", "hotpath")
 KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
 SWEEP_SIZES = [4 * KIB << i for i in range(8)]  # 4k .. 512k
 INLINE = "nbd-verity, all inline"
@@ -73,8 +77,15 @@ class Settings:
         return f"{size} random image, {self.runtime:g} s per fio run"
 
 
+def command() -> str:
+    """The command as it was run: make's target or the script, with the BENCH_* settings."""
+    env = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("BENCH_"))
+    run = "make bench" if os.environ.get("MAKELEVEL") else ".venv/bin/python bench/run.py"
+    return f"{env} {run}".strip()
+
+
 def say(message: str) -> None:
-    print(f"bench: {message}", file=sys.stderr, flush=True)
+    print(f"bench: {time.strftime('%H:%M:%S')} {message}", file=sys.stderr, flush=True)
 
 
 def ensure_matplotlib() -> None:
@@ -171,7 +182,7 @@ def run_scaling(cfg: Settings, out: dict) -> None:
     """Start-up time (exec → socket accepts) and RSS against the image size."""
     out["checks"] = [images.check_zerotree()]
     rows = []
-    job = Job("randread", 64 * KIB, 1, 8, 600, time_based=False)
+    job = Job("randread", 64 * KIB, 1, 8, 300, time_based=False, io_size=GIB)
     for size, formatted in cfg.scaling:
         say(f"scaling: {size >> 20} MiB sparse image ({'format' if formatted else 'zerotree'})")
         image = images.sparse_image(size, formatted)
@@ -236,6 +247,33 @@ def run_knobs(cfg: Settings, image: images.Image, out: dict) -> None:
                 say(f"--threads={threads}: {job.label()}")
                 out["threads"].append((threads, job.label(),
                                        fiorun.run(server.uri(), job, image.size)))
+    out["serialize"] = run_serialize(image, runtime)
+
+
+def run_serialize(image: images.Image, runtime: float) -> list[tuple[str, str, Result]]:
+    """Each Python server as nbdkit runs it (parallel) and with every request serialised
+    by nbdkit's noparallel filter: only one thread in Python at a time, no GIL contention
+    (and no parallel hashing either)."""
+    jobs = [Job("randread", 4 * KIB, 8, 1, runtime), Job("read", 512 * KIB, 8, 1, runtime)]
+    inline = [f"threshold={c}={servers.ALL_INLINE}" for c in ("none", "rt", "be", "idle")]
+    serial = ("noparallel",)
+    rows = []
+    for label, make in (
+            ("Python pass-through", lambda f, k: servers.passthrough_server(image.data,
+                                                                            filters=f, keys=k)),
+            (DEFAULT, lambda f, k: servers.plugin_server(DEFAULT, image, k, f)),
+            (INLINE, lambda f, k: servers.plugin_server(INLINE, image, [*inline, *k], f))):
+        for name, filters, keys in (("parallel (nbdkit's default)", (), ()),
+                                    ("serialize=all-requests", serial,
+                                     ("serialize=all-requests",))):
+            with make(filters, list(keys)) as server:
+                if server.kind == "plugin":
+                    prefill(server, image.size)
+                for job in jobs:
+                    say(f"{label}, {name}: {job.label()}")
+                    rows.append((f"{label}, {name}", job.label(),
+                                 fiorun.run(server.uri(), job, image.size)))
+    return rows
 
 
 # -- report ---------------------------------------------------------------------------
@@ -244,7 +282,7 @@ def run_knobs(cfg: Settings, image: images.Image, out: dict) -> None:
 def render(cfg: Settings, out: dict, image: images.Image, load_before: str,
            load_after: str) -> str:
     parts = ["## Side by side", "",
-             report.header("make bench", cfg.describe(), load_before, load_after), "",
+             report.header(command(), cfg.describe(), load_before, load_after), "",
              f"Image: {image.size >> 20} MiB of random data, its tree by `nbd-verity format` "
              "(4096/4096, sha256), in the page cache; the nbd-verity servers' hash-block "
              "caches are filled (NBD_CMD_CACHE) before the first run. fio 3.33 "
@@ -278,7 +316,18 @@ def render(cfg: Settings, out: dict, image: images.Image, load_before: str,
                   "`--workers N` with every request in the pool (thresholds 0):", "",
                   report.knob_table("--workers", out["workers"]), "",
                   "nbdkit `--threads N` (threads per connection) with the default table:", "",
-                  report.knob_table("--threads", out["threads"]), ""]
+                  report.knob_table("--threads", out["threads"]), "",
+                  "Every request serialised by nbdkit's noparallel filter "
+                  "(`--filter=noparallel serialize=all-requests`: one request in Python at a "
+                  "time, so no thread waits for the GIL) against nbdkit's parallel default:",
+                  "", report.knob_table("server, thread model", out["serialize"]), ""]
+    if "hotpath" in out:
+        parts += ["## The read path without nbdkit", "",
+                  "`bench/hotpath.py`: the Device nbdkit would build, called from one thread "
+                  "of the bench process (no sockets, no GIL contention), random reads of the "
+                  "cached image, readahead off. Inline bookkeeping is what the server adds to "
+                  "preadv and SHA-256 (split, cache look-ups, counters, stats); the pool "
+                  "hand-off is pool minus inline.", "", out["hotpath"], ""]
     return "\n".join(parts)
 
 
@@ -302,6 +351,10 @@ def main() -> int:
         run_scaling(cfg, out)
     if "knobs" in cfg.sections:
         run_knobs(cfg, image, out)
+    if "hotpath" in cfg.sections:
+        say("hot path without nbdkit (bench/hotpath.py)")
+        out["hotpath"] = hotpath.table(hotpath.measure(str(image.data), str(image.hash),
+                                                       image.root))
     text = render(cfg, out, image, load_before, report.load())
     print(text)
     say(f"done in {time.monotonic() - started:.0f} s")

@@ -1,8 +1,9 @@
 """The servers a benchmark compares, each on its own Unix socket, started and stopped by pid.
 
-Three kinds: nbdkit's C `file` plugin (the transport ceiling), the Python pass-through
-plugin (bench/passthrough.py: same nbdkit threads and preadv, no verification) and
-`nbd-verity serve` (which execs nbdkit, so the child's pid is nbdkit's). Ready means a
+Four kinds: nbdkit's C `file` plugin (the transport ceiling), the Python pass-through
+plugin (bench/passthrough.py: same nbdkit threads and preadv, no verification),
+`nbd-verity serve` (which execs nbdkit, so the child's pid is nbdkit's), and our plugin
+under nbdkit directly (to add nbdkit filters, which `serve` does not pass). Ready means a
 connect() to the socket succeeds (polled, never slept on); the time from exec to that
 moment is kept as the start-up time. Stopping is SIGTERM to the pid we started.
 """
@@ -24,6 +25,7 @@ PROJECT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(PROJECT))
 
 from nbd_verity.cli_ctl import control_request  # noqa: E402
+from nbd_verity.serve import PLUGIN  # noqa: E402
 
 NBDKIT = shutil.which("nbdkit") or "/usr/sbin/nbdkit"
 NBD_VERITY = str(Path(sys.executable).parent / "nbd-verity")
@@ -45,9 +47,11 @@ def pool_options() -> list[str]:
 class Server:
     """One server process listening on a Unix socket in a private directory."""
 
-    def __init__(self, name: str, kind: str, argv_tail: list[str], threads: int | None = None):
+    def __init__(self, name: str, kind: str, argv_tail: list[str], threads: int | None = None,
+                 filters: tuple[str, ...] = ()):
         self.name = name
-        self.kind = kind  # "file", "passthrough" or "verity"
+        self.kind = kind  # "file", "passthrough", "verity" (nbd-verity serve) or "plugin"
+        self.filters = [f"--filter={f}" for f in filters]  # nbdkit filters, before the plugin
         self.dir = tempfile.mkdtemp(prefix="nvb-")  # short: sun_path holds 108 bytes
         self.socket = os.path.join(self.dir, "nbd.sock")
         self.pid_file = os.path.join(self.dir, "nbd.pid")
@@ -63,10 +67,12 @@ class Server:
                     self.pid_file, "--control", self.control, "--exit-with-parent"]
             return argv + (["--threads", str(threads)] if threads else [])
         argv = [NBDKIT, "-f", "-r", "--exit-with-parent", "-U", self.socket, "-P",
-                self.pid_file]
+                self.pid_file, *self.filters]
         argv += ["-t", str(threads)] if threads else []
         if self.kind == "file":
             return [*argv, "file", *tail]
+        if self.kind == "plugin":
+            return [*argv, "python", str(PLUGIN), *tail]
         return [*argv, "python", str(PASSTHROUGH), *tail]
 
     def uri(self, export: str = "") -> str:
@@ -156,8 +162,16 @@ def file_server(data: Path, threads: int | None = None) -> Server:
     return Server("nbdkit file (C)", "file", [f"file={data}"], threads)
 
 
-def passthrough_server(data: Path, threads: int | None = None) -> Server:
-    return Server("Python pass-through", "passthrough", [f"file={data}"], threads)
+def passthrough_server(data: Path, threads: int | None = None, filters: tuple[str, ...] = (),
+                       keys: tuple[str, ...] = ()) -> Server:
+    return Server("Python pass-through", "passthrough", [f"file={data}", *keys], threads,
+                  filters)
+
+
+def plugin_server(name: str, image, keys: list[str], filters: tuple[str, ...] = ()) -> Server:
+    """Our plugin under nbdkit directly (for nbdkit filters, which serve does not pass)."""
+    return Server(name, "plugin", [f"data={image.data}", f"hash={image.hash}",
+                                   f"root-hash={image.root}", *keys], None, filters)
 
 
 def verity_server(name: str, image, options: list[str], threads: int | None = None) -> Server:
