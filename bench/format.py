@@ -99,42 +99,64 @@ def prepare_image(directory: Path, size_mib: int) -> Path:
             f.flush()
             os.fsync(f.fileno())  # no writeback of it may overlap a timed run
         image.with_suffix(".tmp").rename(image)
-    with open(image, "rb") as f:
-        while f.read(16 << 20):
-            pass
     return image
 
 
-def bench(image: Path, work: Path, reps: int,
-          quiet_wait: float) -> dict[str, dict[str, list[Timing]]]:
-    """Alternate ours and theirs, format then verify, reps times each; each round waits
-    for a quiet machine first (the machine is shared)."""
-    results: dict[str, dict[str, list[Timing]]] = {
-        op: {"nbd-verity": [], "veritysetup": []} for op in ("format", "verify")}
+def warm_cache(image: Path) -> None:
+    """Read the image so that both tools read it from the page cache (other work on a
+    shared machine evicts it between rounds)."""
+    with open(image, "rb", buffering=0) as f:
+        buf = bytearray(16 << 20)
+        while f.readinto(buf):
+            pass
+
+
+def one_round(image: Path, work: Path, order: list[tuple[str, str]]) -> dict:
+    """Format then verify with each tool in order; {op: {tool: Timing}}."""
+    timings: dict = {"format": {}, "verify": {}}
     roots = {}
-    tools = {"nbd-verity": OURS, "veritysetup": THEIRS}
-    for rep in range(reps + 1):  # the first round warms up (imports, caches): not counted
-        order = list(tools.items()) if rep % 2 == 0 else list(reversed(tools.items()))
-        if rep:
-            wait_until_quiet(quiet_wait)
-        for name, exe in order:
-            hash_image = work / f"{name}.hash"
-            hash_image.unlink(missing_ok=True)  # neither tool truncates an existing one
-            timing, out = run_timed([exe, "format", str(image), str(hash_image),
-                                     f"--salt={SALT}", f"--uuid={UUID}"])
-            roots[name] = root_hash(out)
-            if rep:
-                results["format"][name].append(timing)
-        if roots["nbd-verity"] != roots["veritysetup"]:
-            sys.exit(f"bench: the root hashes differ: {roots}")
-        if (work / "nbd-verity.hash").read_bytes() != (work / "veritysetup.hash").read_bytes():
-            sys.exit("bench: the hash images differ")
-        for name, exe in order:
-            timing, _ = run_timed([exe, "verify", str(image), str(work / f"{name}.hash"),
-                                   roots[name]])
-            if rep:
-                results["verify"][name].append(timing)
-    return results
+    for name, exe in order:
+        hash_image = work / f"{name}.hash"
+        hash_image.unlink(missing_ok=True)  # neither tool truncates an existing one
+        timings["format"][name], out = run_timed(
+            [exe, "format", str(image), str(hash_image), f"--salt={SALT}", f"--uuid={UUID}"])
+        roots[name] = root_hash(out)
+    if roots["nbd-verity"] != roots["veritysetup"]:
+        sys.exit(f"bench: the root hashes differ: {roots}")
+    if (work / "nbd-verity.hash").read_bytes() != (work / "veritysetup.hash").read_bytes():
+        sys.exit("bench: the hash images differ")
+    for name, exe in order:
+        timings["verify"][name], _ = run_timed(
+            [exe, "verify", str(image), str(work / f"{name}.hash"), roots[name]])
+    return timings
+
+
+def bench(image: Path, work: Path, reps: int, quiet_wait: float) -> tuple[dict, int]:
+    """Alternate ours and theirs, format then verify, until reps rounds ran undisturbed.
+
+    The machine is shared: each round first waits for other processes to go quiet, and a
+    round during which they took more than twice QUIET of the CPUs is run again (at most
+    2 * reps times in all). Returns {op: {tool: [Timing]}} and the rounds run again.
+    """
+    results: dict = {op: {"nbd-verity": [], "veritysetup": []} for op in ("format", "verify")}
+    tools = [("nbd-verity", OURS), ("veritysetup", THEIRS)]
+    warm_cache(image)
+    one_round(image, work, tools)  # warm-up (imports, caches): not counted
+    kept = redone = 0
+    while kept < reps:
+        warm_cache(image)
+        wait_until_quiet(quiet_wait)
+        order = tools if kept % 2 == 0 else tools[::-1]
+        timings = one_round(image, work, order)
+        noisy = max(t.others for by_tool in timings.values() for t in by_tool.values())
+        if noisy > 2 * QUIET and redone < 2 * reps:
+            redone += 1
+            continue
+        for op, by_tool in timings.items():
+            for name, timing in by_tool.items():
+                results[op][name].append(timing)
+        kept += 1
+    return results, redone
 
 
 SWEEP = [  # (window MiB, part MiB, hashing threads); the first row is the default
@@ -159,6 +181,7 @@ def sweep(image: Path, reps: int, quiet_wait: float) -> str:
     try:
         for _ in range(reps):
             for row in SWEEP:
+                warm_cache(image)
                 wait_until_quiet(quiet_wait)
                 builder.WINDOW_SIZE, builder.PART_SIZE = row[0] << 20, row[1] << 20
                 cpu0, start = time.process_time(), time.perf_counter()
@@ -213,7 +236,8 @@ def table(results, size_mib: int) -> str:
     return "\n".join(lines)
 
 
-def section(results, size_mib: int, reps: int, command: str, loads: tuple) -> str:
+def section(results, size_mib: int, reps: int, command: str, loads: tuple,
+            redone: int) -> str:
     spread, others = [], []
     for op, by_tool in results.items():
         for name, timings in by_tool.items():
@@ -237,7 +261,8 @@ def section(results, size_mib: int, reps: int, command: str, loads: tuple) -> st
         f"- Range (min-max wall s): {'; '.join(spread)}.",
         f"- Other processes used {100 * statistics.median(others):.0f}% (median; at most "
         f"{100 * max(others):.0f}%) of the machine's CPU time during the timed runs; each "
-        f"round first waited for them to use less than {100 * QUIET:.0f}%.",
+        f"round first waited for them to use less than {100 * QUIET:.0f}%, and {redone} "
+        f"round(s) during which they used more than {200 * QUIET:.0f}% were run again.",
         f"- Measured {time.strftime('%Y-%m-%d %H:%M %Z')} with: `{command}`",
         "",
     ])
@@ -302,15 +327,16 @@ def main() -> None:
                 f"`{command}`", ""]))
             print(f"\nupdated {DOC.relative_to(REPO)}")
         return
-    results = bench(image, work, args.reps, args.quiet_wait)
+    results, redone = bench(image, work, args.reps, args.quiet_wait)
     loads = (load, os.getloadavg())
-    text = section(results, args.size_mib, args.reps, command, loads)
+    text = section(results, args.size_mib, args.reps, command, loads, redone)
     print()
     print(table(results, args.size_mib))
     print(f"load average before {loads[0][0]:.2f}, after {loads[1][0]:.2f}")
     others = [t.others for by_tool in results.values() for ts in by_tool.values() for t in ts]
     print(f"other processes' share of the CPUs during the runs: median "
-          f"{100 * statistics.median(others):.0f}%, max {100 * max(others):.0f}%")
+          f"{100 * statistics.median(others):.0f}%, max {100 * max(others):.0f}%; "
+          f"{redone} disturbed round(s) run again")
     for name in ("nbd-verity", "veritysetup"):
         (work / f"{name}.hash").unlink(missing_ok=True)
     if not args.no_doc:
