@@ -64,6 +64,9 @@ class OneLineCommand(click.Command):
 
 
 def size_text(size: int) -> str:
+    """4k, 512k, 2M: the spelling --sizes takes."""
+    if size and size % (1 << 20) == 0:
+        return f"{size >> 20}M"
     return f"{size >> 10}k" if size and size % 1024 == 0 else str(size)
 
 
