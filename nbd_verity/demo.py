@@ -155,7 +155,8 @@ def verify_corrupted_tree(w: Walkthrough) -> None:
     copy.unlink()
 
 
-# Later steps (serving the image over NBD, reading it back) go here, above the guard.
+# The steps that serve the image over NBD live in demo_serve.py and register after these.
+from . import demo_serve  # noqa: E402,F401
 
 
 def cli_path() -> str:
@@ -189,4 +190,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run the imported module's main, so that demo_serve's steps and this module share
+    # one step list (run as a script, this file would be a second module, __main__).
+    from nbd_verity.demo import main as package_main
+
+    sys.exit(package_main())
