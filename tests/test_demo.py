@@ -1,0 +1,16 @@
+"""`make demo` is what a newcomer runs first: run the whole walkthrough as a test."""
+
+import subprocess
+import sys
+
+
+def test_demo_walkthrough_succeeds(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "nbd_verity.demo", str(tmp_path / "demo")],
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "demo OK" in done.stdout
+    # The corrupted block fails and only it; the mounted corrupted file reports EIO.
+    assert "read data block 12345: Input/output error" in done.stdout
+    assert "Input/output error" in done.stdout.split("fsc-mnt/payload.bin")[-1]
+    with open("/proc/mounts") as mounts:
+        assert str(tmp_path) not in mounts.read(), "the demo left a mount behind"
