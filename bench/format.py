@@ -36,8 +36,8 @@ QUIET = 0.10  # a round starts once other processes use less than this share of 
 
 @dataclass
 class Timing:
-    """Wall and CPU (user + system, all threads) seconds of one command, and the share
-    of the machine's CPU time that other processes used meanwhile."""
+    """Wall and CPU (user + system, all threads and worker processes) seconds of one
+    command, and the share of the machine's CPU time that other processes used meanwhile."""
 
     wall: float
     cpu: float
@@ -159,15 +159,15 @@ def bench(image: Path, work: Path, reps: int, quiet_wait: float) -> tuple[dict, 
     return results, redone
 
 
-SWEEP = [  # (window MiB, part MiB, hashing threads); the first row is the default
-    (32, 4, 2), (32, 4, 1), (32, 4, 3), (32, 4, 4), (32, 1, 2), (32, 8, 2), (8, 1, 2),
-    (8, 4, 2), (128, 4, 2), (128, 16, 2),
+SWEEP = [  # (window MiB, hashing processes); the first row is the default here
+    (32, 2), (32, 1), (32, 3), (32, 4), (4, 2), (8, 2), (16, 2), (64, 2), (128, 2),
 ]
 SWEEP_SECTION = "## Builder tuning"
 
 
 def sweep(image: Path, reps: int, quiet_wait: float) -> str:
-    """Time level-0 hashing in-process (no start-up, no writes) for each SWEEP row."""
+    """Time level-0 hashing (builder.data_slot_chunks: no start-up, no writes) for each
+    SWEEP row."""
     sys.path.insert(0, str(REPO))
     from nbd_verity import builder
     from nbd_verity.params import VerityParams
@@ -175,7 +175,7 @@ def sweep(image: Path, reps: int, quiet_wait: float) -> str:
     size = image.stat().st_size
     params = VerityParams(data_blocks=size // 4096, salt=bytes.fromhex(SALT)).check()
     geo, digester = params.geometry(), params.digester()
-    defaults = builder.WINDOW_SIZE, builder.PART_SIZE
+    default = builder.WINDOW_SIZE
     times: dict[tuple, list[Timing]] = {row: [] for row in SWEEP}
     fd = os.open(image, os.O_RDONLY)
     try:
@@ -183,24 +183,30 @@ def sweep(image: Path, reps: int, quiet_wait: float) -> str:
             for row in SWEEP:
                 warm_cache(image)
                 wait_until_quiet(quiet_wait)
-                builder.WINDOW_SIZE, builder.PART_SIZE = row[0] << 20, row[1] << 20
-                cpu0, start = time.process_time(), time.perf_counter()
-                for _ in builder.data_slot_chunks(fd, geo, digester, workers=row[2]):
+                builder.WINDOW_SIZE = row[0] << 20
+                cpu0, start = own_and_children_cpu(), time.perf_counter()
+                for _ in builder.data_slot_chunks(fd, geo, digester, workers=row[1]):
                     pass
                 times[row].append(Timing(time.perf_counter() - start,
-                                         time.process_time() - cpu0))
+                                         own_and_children_cpu() - cpu0))
     finally:
         os.close(fd)
-        builder.WINDOW_SIZE, builder.PART_SIZE = defaults
-    lines = ["| window MiB | part MiB | threads | wall s (median) | wall s (min) | CPU s "
-             "| GB/s |", "|---:|---:|---:|---:|---:|---:|---:|"]
+        builder.WINDOW_SIZE = default
+    lines = ["| window MiB | processes | wall s (median) | wall s (min) | CPU s | GB/s |",
+             "|---:|---:|---:|---:|---:|---:|"]
     for row, timings in times.items():
         wall = statistics.median(t.wall for t in timings)
-        lines.append(f"| {row[0]} | {row[1]} | {row[2]} | {wall:.3f} "
+        lines.append(f"| {row[0]} | {row[1]} | {wall:.3f} "
                      f"| {min(t.wall for t in timings):.3f} "
                      f"| {statistics.median(t.cpu for t in timings):.2f} "
                      f"| {size / wall / 1e9:.2f} |")
     return "\n".join(lines)
+
+
+def own_and_children_cpu() -> float:
+    """CPU seconds of this process and of its waited-for children (the workers)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
 
 
 def cpu_model() -> str:
@@ -250,7 +256,8 @@ def section(results, size_mib: int, reps: int, command: str, loads: tuple,
         f"`nbd-verity format` and `verify` against `veritysetup format` and `verify` of the "
         f"same {size_mib} MiB random image (in the page cache), same salt and UUID, fresh "
         f"hash image per run; median of {reps} alternating runs after one warm-up round. "
-        "Wall time includes process start-up. CPU is user + system time of all threads.",
+        "Wall time includes process start-up. CPU is user + system time of all threads "
+        "and processes.",
         "",
         table(results, size_mib),
         "",
@@ -297,8 +304,8 @@ def main() -> None:
     parser.add_argument("--quiet-wait", type=float, default=300,
                         help="seconds a round may wait for other processes to go quiet")
     parser.add_argument("--sweep", action="store_true",
-                        help="instead, time level-0 hashing in-process per window, part "
-                             "and thread count")
+                        help="instead, time level-0 hashing per window size and number "
+                             "of hashing processes")
     args = parser.parse_args()
     command = "make bench-format" if len(sys.argv) == 1 else (
         ".venv/bin/python bench/format.py " + shlex.join(sys.argv[1:]))
@@ -316,9 +323,10 @@ def main() -> None:
         if not args.no_doc:
             update_doc(SWEEP_SECTION, "\n".join([
                 SWEEP_SECTION, "",
-                f"Level-0 hashing of the same {args.size_mib} MiB image in-process "
+                f"Level-0 hashing of the same {args.size_mib} MiB image "
                 "(`builder.data_slot_chunks`: no start-up, no writes), per mapped window "
-                "size, pool task size and thread count; median of "
+                "size and number of hashing processes (this one and forked workers); "
+                "CPU includes the workers; median of "
                 f"{args.reps} alternating runs, each after waiting for other processes to use "
                 f"less than {100 * QUIET:.0f}% of the CPUs. {cpu_model()}, "
                 f"{os.cpu_count()} logical "

@@ -59,6 +59,8 @@ CASES = [
     Case("16385-blocks-past-two-levels", 16385 * 512,
          ("--data-block-size=512", "--hash-block-size=4096")),
     Case("data-block-65536", 4 * MIB, ("--data-block-size=65536",)),
+    Case("several-windows-hashed-by-forked-workers", 100 * MIB + 3 * 4096,
+         ("--hash-block-size=1024", "--format=0", "--hash=sha1")),
     Case("hash-block-65536", 2 * MIB, ("--hash-block-size=65536",)),
     Case("format0-sha256", 1 * MIB, ("--format=0",)),
     Case("format0-sha1-packed-512", 1 * MIB,

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import mmap
+import os
 import random
+import threading
 from pathlib import Path
 
 import pytest
@@ -31,23 +33,78 @@ def image(tmp_path):
     return data, params, reference.read_bytes(), root
 
 
-@pytest.mark.parametrize(("window", "part", "ahead", "workers"), [
-    (64 << 10, 16 << 10, 0, 1),
-    (64 << 10, 12 << 10, 1, 3),    # parts that do not divide the window
-    (4096, 4096, 2, 2),            # one block per window
-    (1 << 20, 1 << 20, 5, 4),
+def children() -> list[str]:
+    """Child processes of this one that are still around (zombies included)."""
+    return [pid for task in Path("/proc/self/task").iterdir()
+            for pid in (task / "children").read_text().split()]
+
+
+@pytest.mark.parametrize(("window", "workers", "may_fork"), [
+    (64 << 10, 1, True),           # everything in this process
+    (64 << 10, 2, True),           # this process and one forked worker
+    (64 << 10, 3, True),           # workers get windows 0, 3, 6.. / 1, 4, 7.. / 2, 5, 8..
+    (4096, 4, True),               # one block per window
+    (64 << 10, 4, False),          # another thread runs: no fork
+    (32 << 20, 4, True),           # a single window: no fork
 ])
-def test_window_part_and_worker_counts_do_not_change_the_tree(
-        tmp_path, image, monkeypatch, window, part, ahead, workers):
+def test_window_and_worker_counts_do_not_change_the_tree(
+        tmp_path, image, monkeypatch, window, workers, may_fork):
     data, params, reference, root = image
     monkeypatch.setattr(builder, "WINDOW_SIZE", window)
-    monkeypatch.setattr(builder, "PART_SIZE", part)
-    monkeypatch.setattr(builder, "READ_AHEAD", ahead)
     monkeypatch.setattr(builder, "default_workers", lambda: workers)
+    monkeypatch.setattr(builder, "_may_fork", lambda: may_fork)
     out = tmp_path / "out.hash"
     assert builder.build_tree(str(data), str(out), params) == root
     assert out.read_bytes() == reference
     assert builder.verify_image(str(data), str(out), params, root).ok
+    assert children() == []
+
+
+def test_workers_are_forked_only_while_no_other_thread_runs():
+    assert builder._may_fork()
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait)
+    other.start()
+    try:
+        assert not builder._may_fork()
+    finally:
+        stop.set()
+        other.join()
+
+
+def test_a_failing_worker_fails_the_build_and_no_process_is_left(tmp_path, image,
+                                                                 monkeypatch):
+    data, params, _, _ = image
+    monkeypatch.setattr(builder, "WINDOW_SIZE", 64 << 10)
+    monkeypatch.setattr(builder, "default_workers", lambda: 2)
+    real_view = builder.WindowReader.view
+
+    def fail_in_window_5(self, start, count):
+        if start == 5 * 16:  # window 5 (16 blocks each) belongs to the forked worker
+            raise ImageIOError("data: Input/output error (reading at byte 327680)")
+        return real_view(self, start, count)
+
+    monkeypatch.setattr(builder.WindowReader, "view", fail_in_window_5)
+    with pytest.raises(ImageIOError, match=r"^data: Input/output error \(reading at byte "
+                                           r"327680\)$"):
+        builder.build_tree(str(data), str(tmp_path / "out"), params)
+    assert children() == []
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_caller_that_stops_early_leaves_no_process(image, monkeypatch):
+    data, params, _, _ = image
+    monkeypatch.setattr(builder, "WINDOW_SIZE", 64 << 10)
+    monkeypatch.setattr(builder, "default_workers", lambda: 3)
+    fd = os.open(data, os.O_RDONLY)
+    try:
+        chunks = builder.data_slot_chunks(fd, params.geometry(), params.digester())
+        assert next(chunks)[0] == 0
+        assert len(children()) == 2
+        chunks.close()
+        assert children() == []
+    finally:
+        os.close(fd)
 
 
 def test_images_that_cannot_be_mapped_are_read(tmp_path, image, monkeypatch):
