@@ -170,7 +170,7 @@ def _fork_worker(reader: WindowReader, digester: Digester,
     except BaseException as e:  # every failure, even ^C, is reported to the parent
         status = 1
         with contextlib.suppress(BaseException):
-            _send(pipe, 1, str(e).encode())
+            _send(pipe, 1, (str(e) or f"{reader.what}: hashing stopped ({e!r})").encode())
     finally:
         os._exit(status)
 
