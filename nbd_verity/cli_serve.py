@@ -42,12 +42,14 @@ from .serve import exec_server, plugin_pairs
               help="Verification pool threads (default: number of CPUs).")
 @click.option("--default-class", default=None, metavar="CLASS",
               help="Class of connections that name none (default be).")
+@click.option("--serialize/--parallel", default=None,
+              help="One request in Python at a time (nbdkit serialises), or many.")
 @edge
 def serve_cmd(data, hash_image, root_hash, root_hash_file, unix, port, bind,
               ignore_corruption, restart_on_corruption, ignore_zero_blocks,
               check_at_most_once, cache_size, readahead, threads, pid_file,
               exit_with_parent, verbose, control, thresholds, threshold_preset, workers,
-              default_class, **kw) -> None:
+              default_class, serialize, **kw) -> None:
     """Serve DATA over NBD, verifying every byte against HASH and ROOT_HASH."""
     if ignore_corruption and restart_on_corruption:
         raise click.UsageError("--ignore-corruption and --restart-on-corruption conflict")
@@ -67,6 +69,7 @@ def serve_cmd(data, hash_image, root_hash, root_hash_file, unix, port, bind,
         "threshold-preset": threshold_preset,
         "workers": workers,
         "default-class": default_class,
+        "serialize": None if serialize is None else str(serialize).lower(),
     }
     pairs = plugin_pairs(data, hash_image, root_hash, root_hash_file, tree, extra)
     exec_server(pairs, {"unix": unix, "port": port, "bind": bind, "threads": threads,

@@ -81,6 +81,7 @@ class ServerConfig:
     threshold_preset: str = "default"
     workers: int = 0  # 0: the number of CPUs
     default_class: str = "be"
+    serialize: bool = False
 
 
 # key -> (ServerConfig field or tree option, parser)
@@ -107,6 +108,7 @@ _KEYS = {
     "threshold-preset": ("threshold_preset", lambda k, v: v.strip()),
     "workers": ("workers", lambda k, v: parse_int(k, v, 0)),
     "default-class": ("default_class", lambda k, v: v.strip().lower()),
+    "serialize": ("serialize", parse_bool),
 }
 
 

@@ -24,7 +24,7 @@ from .errors import ConfigError
 from .ioprio import CLASSES, class_index
 
 MAX_REQUEST_SIZE = 32 << 20  # the largest request we advertise to nbdkit (block_size max)
-CHUNK_SIZE = 128 << 10  # bytes per pool task; see docs/dispatch.md for the measurement
+CHUNK_SIZE = 256 << 10  # bytes per pool task: measured best of 64K..256K (docs/control.md)
 PRESETS = {
     "default": (4096, 4096, 4096, 4096),  # the seed patch
     "kernel": (8192, 8192, 8192, 0),  # Linux 6.15 use_bh_bytes defaults
@@ -112,7 +112,7 @@ class Dispatcher:
 
     def __init__(self, read_fn, block_size: int, table: tuple[int, ...],
                  workers: int = 0) -> None:
-        self._read = read_fn  # read_fn(buf: memoryview, offset: int) verifies in place
+        self._read = read_fn  # read_fn(buf, offset, release_gil=False) verifies in place
         self.block_size = block_size
         self.table = table  # replaced whole, never mutated
         self.workers = workers or os.cpu_count() or 1
@@ -158,7 +158,7 @@ class Dispatcher:
         while pos < end:
             boundary = (pos // self.chunk_size + 1) * self.chunk_size
             stop = min(end, boundary)
-            futures.append(pool.submit(self._read, buf[pos - offset:stop - offset], pos))
+            futures.append(pool.submit(self._read, buf[pos - offset:stop - offset], pos, True))
             pos = stop
         error = None
         for future in futures:  # wait for every chunk before the buffer goes back

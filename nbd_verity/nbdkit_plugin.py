@@ -67,6 +67,8 @@ def _exit_for_restart():
 
 
 def thread_model():
+    if _config.serialize:
+        return nbdkit.THREAD_MODEL_SERIALIZE_ALL_REQUESTS
     return nbdkit.THREAD_MODEL_PARALLEL
 
 

@@ -178,22 +178,27 @@ class Verifier:
 
     # -- data -------------------------------------------------------------------------
 
-    def read(self, buf: memoryview, offset: int) -> None:
-        """Fill buf with verified bytes of the device at offset (any alignment)."""
+    def read(self, buf: memoryview, offset: int, release_gil: bool = False) -> None:
+        """Fill buf with verified bytes of the device at offset (any alignment).
+
+        Inline (the default) hashes with the GIL held: one thread's request runs start to
+        end without handing the GIL to the other nbdkit threads at every block. The pool
+        passes release_gil=True so that its workers hash on several cores at once."""
         dbs = self.geo.data_block_size
         for seg in split_request(offset, len(buf), dbs):
             if seg.whole:
                 target = buf[seg.buf_offset:seg.buf_offset + seg.length]
                 self.data.read_into(target, seg.first_block * dbs)
-                self._verify_blocks(target, seg.first_block, seg.blocks)
+                self._verify_blocks(target, seg.first_block, seg.blocks, release_gil)
             else:
                 scratch = memoryview(bytearray(dbs))
                 self.data.read_into(scratch, seg.first_block * dbs)
-                self._verify_blocks(scratch, seg.first_block, 1)
+                self._verify_blocks(scratch, seg.first_block, 1, release_gil)
                 buf[seg.buf_offset:seg.buf_offset + seg.length] = (
                     scratch[seg.skip:seg.skip + seg.length])
 
-    def _verify_blocks(self, mv: memoryview, first: int, count: int) -> None:
+    def _verify_blocks(self, mv: memoryview, first: int, count: int,
+                       release_gil: bool = False) -> None:
         """Check `count` consecutive data blocks held in mv (in place), one level-0 block
         at a time: the run's slots are computed and compared in one comparison, and only
         a run that differs is examined block by block."""
@@ -203,7 +208,7 @@ class Verifier:
             return
         geo = self.geo
         dbs, bits, slot = geo.data_block_size, geo.hpb_bits, geo.slot_size
-        slots_of = self.digester.slots_of
+        slots_of = self.digester.slots_of if release_gil else self.digester.slots_of_held
         done = matched = 0
         while done < count:
             block = first + done
