@@ -16,6 +16,7 @@ start-up with one line); its threads start in after_fork (threads die with a for
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -126,10 +127,8 @@ class ControlServer:
         try:
             self.sock.close()
         finally:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
-            except FileNotFoundError:
-                pass
 
     def _accept_loop(self) -> None:
         while True:

@@ -74,8 +74,14 @@ def served(w: Walkthrough, name: str, data: Path, hash_image: Path, root: str):
     argv = ["serve", data.name, hash_image.name, root, "--unix", sock.name,
             "--control", ctl.name, "--pid-file", pid_file.name]
     w.say(f"$ nbd-verity {' '.join(argv)} &")
-    log = open(w.workdir / f"{name}.log", "w")
-    proc = subprocess.Popen([w.cli, *argv], cwd=w.workdir, stdout=log, stderr=log)
+    with open(w.workdir / f"{name}.log", "w") as log, \
+            subprocess.Popen([w.cli, *argv], cwd=w.workdir, stdout=log, stderr=log) as proc:
+        yield from _until_stopped(w, proc, name, sock, pid_file, ctl)
+
+
+def _until_stopped(w: Walkthrough, proc: subprocess.Popen, name: str, sock: Path,
+                   pid_file: Path, ctl: Path):
+    """Wait for the server to serve, yield its sockets, then stop it by its pid."""
     try:
         wait_until(lambda: proc.poll() is not None or (pid_file.exists() and
                                                        _connectable(sock)), "the server")
@@ -90,7 +96,6 @@ def served(w: Walkthrough, name: str, data: Path, hash_image: Path, root: str):
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        log.close()
 
 
 def nbd_connect(sock: Path, export: str = ""):

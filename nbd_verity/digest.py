@@ -148,7 +148,7 @@ class Digester:
         return b"".join(out)
 
 
-HELD_PIECE = 1984  # 31 × 64: under hashlib's GIL-release threshold (2048), whole SHA blocks
+HELD_PIECE = 1984  # 31 * 64: under hashlib's GIL-release threshold (2048), whole SHA blocks
 
 
 @functools.lru_cache(maxsize=16)

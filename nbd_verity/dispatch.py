@@ -164,7 +164,7 @@ class Dispatcher:
         for future in futures:  # wait for every chunk before the buffer goes back
             try:
                 future.result()
-            except Exception as e:  # noqa: BLE001 - re-raised below, first one wins
+            except Exception as e:
                 error = error or e
         if error is not None:
             raise error

@@ -8,8 +8,8 @@ nbdkit services it needs (shutdown, export name, peer pid) are passed in by plug
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from .blocks import block_span
 from .cache import HashBlockCache
@@ -17,8 +17,8 @@ from .cli_common import root_digest
 from .config import ServerConfig, parse_size
 from .control import Control, ControlServer
 from .dispatch import Dispatcher, preset, table_dict, updated_table
-from .ioprio import CLASSES, class_index, connection_class
 from .errors import ConfigError, CorruptionError, ImageIOError
+from .ioprio import CLASSES, class_index, connection_class
 from .params import load_params
 from .source import ImageFile
 from .verifier import Verifier, VerifyOptions, log

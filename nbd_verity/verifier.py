@@ -15,8 +15,8 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from .blocks import split_request
 from .cache import HashBlockCache
