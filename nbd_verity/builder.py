@@ -77,8 +77,8 @@ def data_slot_chunks(fd: int, geo: TreeGeometry, digester: Digester,
     forked children that send their windows' slots back through a pipe. Processes, not
     threads: hashlib releases the GIL while it hashes a block, but each block also needs
     about 0.5 µs of Python with the GIL held, and two threads handing it to each other
-    250 000 times per GiB cost more (1 GiB here: 0.49-0.55 s wall and 0.95 s CPU with
-    two threads, 0.42 s and 0.82 s with two processes). We fork only while no other
+    250 000 times per GiB cost more (1 GiB here: 0.55 s wall and 0.95 s CPU with two
+    threads, 0.42 s and 0.82 s with two processes). We fork only while no other
     thread runs; otherwise, or for a single window, this process hashes everything.
     """
     reader = WindowReader(fd, geo, what)
