@@ -15,6 +15,7 @@ import sys
 import click
 
 from . import builder
+from .cli_common import root_digest
 from .digest import parse_salt
 from .errors import ConfigError, VerityError
 from .params import VerityParams, load_params, parse_uuid, random_salt, random_uuid, read_params
@@ -100,14 +101,7 @@ def read_root_hash(root_hash: str | None, root_hash_file: str | None, digest_siz
             raise ConfigError(f"root-hash-file: {root_hash_file}: {e.strerror}") from None
     if root_hash is None:
         raise ConfigError("root-hash: missing (argument or --root-hash-file)")
-    try:
-        root = bytes.fromhex(root_hash)
-    except ValueError:
-        raise ConfigError(f"root-hash: {root_hash!r} is not a hex string") from None
-    if len(root) != digest_size:
-        raise ConfigError(f"root-hash: {len(root)} bytes, the algorithm's digest is "
-                          f"{digest_size} bytes")
-    return root
+    return root_digest(root_hash, digest_size)
 
 
 def print_header(hash_path: str, params: VerityParams, root: bytes | None = None) -> None:
