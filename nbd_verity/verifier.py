@@ -98,6 +98,10 @@ class Verifier:
                             if options.ignore_zero_blocks else None)
         self._verified_bitmap = (bytearray((self.geo.data_blocks + 7) // 8)
                                  if options.check_at_most_once else None)
+        # Runs of blocks can be compared with their leaf at once unless a block may be
+        # skipped (check-at-most-once), zero-filled (ignore-zero-blocks) or is the root.
+        self._whole_runs = not (self.geo.levels == 0 or options.check_at_most_once
+                                or options.ignore_zero_blocks)
 
     # -- start-up ---------------------------------------------------------------------
 
@@ -185,6 +189,10 @@ class Verifier:
         end without handing the GIL to the other nbdkit threads at every block. The pool
         passes release_gil=True so that its workers hash on several cores at once."""
         dbs = self.geo.data_block_size
+        if not offset % dbs and not len(buf) % dbs:  # aligned: the common case, no split
+            self.data.read_into(buf, offset)
+            self._verify_blocks(buf, offset // dbs, len(buf) // dbs, release_gil)
+            return
         for seg in split_request(offset, len(buf), dbs):
             if seg.whole:
                 target = buf[seg.buf_offset:seg.buf_offset + seg.length]
@@ -202,8 +210,7 @@ class Verifier:
         """Check `count` consecutive data blocks held in mv (in place), one level-0 block
         at a time: the run's slots are computed and compared in one comparison, and only
         a run that differs is examined block by block."""
-        if self.geo.levels == 0 or self._verified_bitmap is not None \
-                or self.zero_digest is not None:
+        if not self._whole_runs:
             self._verify_blocks_one_by_one(mv, first, count)
             return
         geo = self.geo
