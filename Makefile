@@ -35,6 +35,7 @@ lint: setup
 	$(VENV)/bin/ruff check nbd_verity tests plugin.py bench
 
 bench: setup
+	$(PY) -m pip install -q -e '.[bench]'
 	$(PY) bench/run.py
 
 e2e: setup
