@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -25,6 +24,7 @@ PROJECT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(PROJECT))
 
 from nbd_verity.cli_ctl import control_request  # noqa: E402
+from nbd_verity.procs import stop_process  # noqa: E402
 from nbd_verity.serve import PLUGIN  # noqa: E402
 
 NBDKIT = shutil.which("nbdkit") or "/usr/sbin/nbdkit"
@@ -141,13 +141,8 @@ class Server:
         return Path(self.dir, "server.log").read_text(errors="replace")
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=STOP_TIMEOUT)
-            except subprocess.TimeoutExpired:
-                os.kill(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        if self.proc is not None:
+            stop_process(self.proc, STOP_TIMEOUT)
         self._log.close()
         shutil.rmtree(self.dir, ignore_errors=True)
 

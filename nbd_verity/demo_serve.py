@@ -13,12 +13,12 @@ import errno
 import hashlib
 import os
 import shutil
-import signal
 import subprocess
 import time
 from pathlib import Path
 
 from .demo import CORRUPT_DATA_BLOCK, StepFailed, Walkthrough, flip_byte, step
+from .procs import stop_process
 
 READY_TIMEOUT_S = 30
 
@@ -89,13 +89,7 @@ def _until_stopped(w: Walkthrough, proc: subprocess.Popen, name: str, sock: Path
             raise StepFailed(f"the server exited: {(w.workdir / f'{name}.log').read_text()}")
         yield sock, ctl
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)  # its own pid: serve exec'd nbdkit
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_process(proc)  # its own pid: serve exec'd nbdkit
 
 
 def nbd_connect(sock: Path, export: str = ""):

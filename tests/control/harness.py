@@ -24,6 +24,8 @@ from pathlib import Path
 
 import nbd
 
+from nbd_verity.procs import stop_process
+
 PROJECT = Path(__file__).resolve().parents[2]
 NBD_VERITY = str(Path(sys.executable).parent / "nbd-verity")
 VERITYSETUP = shutil.which("veritysetup") or "/usr/sbin/veritysetup"
@@ -201,13 +203,7 @@ class Server:
 
     def stop(self) -> int:
         """SIGTERM by pid (SIGKILL if it hangs); returns the exit status."""
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=STOP_TIMEOUT)
-            except subprocess.TimeoutExpired:
-                os.kill(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        stop_process(self.proc, STOP_TIMEOUT)
         self._log.close()
         return self.proc.returncode
 

@@ -30,6 +30,8 @@ from pathlib import Path
 import nbd
 import pytest
 
+from nbd_verity.procs import stop_process
+
 PROJECT = Path(__file__).resolve().parents[2]
 PLUGIN = PROJECT / "plugin.py"
 NBD_VERITY = PROJECT / ".venv" / "bin" / "nbd-verity"
@@ -299,13 +301,7 @@ class Server:
         for h in self.handles:
             close_handle(h)
         self.handles.clear()
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=STOP_TIMEOUT)
-            except subprocess.TimeoutExpired:
-                os.kill(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        stop_process(self.proc, STOP_TIMEOUT)
         self._log.close()
         return self.proc.returncode
 
