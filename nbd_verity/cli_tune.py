@@ -13,7 +13,6 @@ import contextlib
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -28,6 +27,7 @@ from .config import config_from_pairs, parse_size
 from .dispatch import MAX_REQUEST_SIZE
 from .errors import ConfigError, VerityError
 from .ioprio import CLASSES
+from .procs import stop_process
 from .serve import PLUGIN, nbdkit_command, plugin_environment, plugin_pairs
 from .server import Device
 from .tune import (
@@ -139,13 +139,7 @@ def served(data: str, hash_image: str, root_hash: str, workers: int | None,
         _wait_ready(proc, target, log)
         yield target
     finally:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.kill(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop_process(proc, 15)
         log.close()
         shutil.rmtree(workdir, ignore_errors=True)
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from collections.abc import Iterable
 
 from .errors import ConfigError
 
@@ -103,10 +102,6 @@ class Digester:
     def slot(self, block) -> bytes:
         """The digest of a block as stored in its parent hash block (padded in format 1)."""
         return self.digest(block) + self._pad
-
-    def slots(self, blocks: Iterable) -> bytes:
-        """The concatenated slots of several blocks."""
-        return b"".join([self.slot(b) for b in blocks])
 
     def slots_of(self, buf, block_size: int) -> bytes:
         """Slots of every whole block in buf, a contiguous run of blocks; hot loop."""

@@ -18,7 +18,7 @@ from .config import ServerConfig, parse_size
 from .control import Control, ControlServer
 from .dispatch import Dispatcher, preset, table_dict, updated_table
 from .errors import ConfigError, CorruptionError, ImageIOError
-from .ioprio import CLASSES, class_index, connection_class
+from .ioprio import class_index, connection_class
 from .params import load_params
 from .source import ImageFile
 from .verifier import Verifier, VerifyOptions, log
@@ -145,9 +145,6 @@ class Connection:
                                     device.default_class)
         return cls(device, io_class)
 
-    @property
-    def class_name(self) -> str:
-        return CLASSES[self.io_class]
 
     def read(self, buf: memoryview, offset: int) -> None:
         """Verified read of len(buf) bytes at offset, with Merkle readahead."""

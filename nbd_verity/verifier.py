@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import sys
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -45,7 +44,6 @@ class Counters:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self.started = time.monotonic()
         self.corrupted = False  # status 'C' once any corruption was seen; never cleared
         self.reset()
 

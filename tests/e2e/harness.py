@@ -29,6 +29,8 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from nbd_verity.procs import stop_process
+
 GUEST_DIR = Path(__file__).resolve().parent / "guest"
 # The venv's own entry point: the one built from this checkout.
 NBD_VERITY = Path(sys.executable).parent / "nbd-verity"
@@ -151,12 +153,7 @@ def nbd_server(netns: Netns, server: Server, port: int, work: Path) -> Iterator[
         _wait_listening(proc, pid_file, log)
         yield log
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
 
 
 def _wait_listening(proc: subprocess.Popen, pid_file: Path, log: Path) -> None:

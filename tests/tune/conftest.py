@@ -9,11 +9,8 @@ the pid file exists and the control socket answers (polled, never slept on).
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -21,6 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from nbd_verity.cli_ctl import control_request
+from nbd_verity.procs import stop_process
 
 START_TIMEOUT = 30.0  # the machine is shared and small
 PROJECT = Path(__file__).resolve().parents[2]
@@ -41,17 +41,7 @@ class Server:
 
     def ctl(self, request: dict) -> dict:
         """One control request, answered."""
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-            s.settimeout(10)
-            s.connect(self.control)
-            s.sendall(json.dumps(request).encode() + b"\n")
-            reply = b""
-            while not reply.endswith(b"\n"):
-                chunk = s.recv(65536)
-                if not chunk:
-                    break
-                reply += chunk
-        return json.loads(reply)
+        return control_request(self.control, request)
 
     def table(self) -> dict[str, int]:
         return self.ctl({"cmd": "thresholds"})["thresholds"]
@@ -81,13 +71,7 @@ def server(tools, tune_image):
         _wait_ready(running, pid, workdir)
         yield running
     finally:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.kill(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop_process(proc)
         log.close()
         shutil.rmtree(workdir, ignore_errors=True)
 

@@ -50,7 +50,16 @@ def test_slots_of_equals_one_slot_per_block(algorithm, hash_type):
     expected = b"".join(d.slot(buf[i:i + 512]) for i in range(0, len(buf), 512))
     assert d.slots_of(buf, 512) == expected
     assert d.slots_of(memoryview(buf), 512) == expected
-    assert d.slots([buf[i:i + 512] for i in range(0, len(buf), 512)]) == expected
+    assert d.slots_of_held(buf, 512) == expected
+
+
+@pytest.mark.parametrize("hash_type", [0, 1])
+@pytest.mark.parametrize("block_size", [4096, 65536])
+def test_held_slots_cut_blocks_without_changing_digests(block_size, hash_type):
+    """slots_of_held feeds a block in pieces below 2048 bytes: same digests."""
+    d = Digester("sha256", SALT[:7], hash_type)
+    buf = os.urandom(block_size * 3)
+    assert d.slots_of_held(buf, block_size) == d.slots_of(buf, block_size)
 
 
 def test_digester_can_be_reused_without_leaking_state():
