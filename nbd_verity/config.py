@@ -2,19 +2,22 @@
 
 Every key is parsed by its own typed function and every problem is reported as
 "KEY: problem" (nbdkit's own `unknown parameter: KEY` convention for unknown keys).
-`nbd-verity serve` builds the same key list it passes to nbdkit, so the two front ends
-cannot drift apart.
+KEYS is the one table of plugin keys; `nbd-verity serve` derives the key list it passes
+to nbdkit from it (plugin_pairs), so the two front ends cannot drift apart.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
 
 from .cache import DEFAULT_CACHE_SIZE
 from .digest import parse_salt
 from .errors import ConfigError
-from .verifier import MODES
+from .roothash import root_hash_text
+
+MODES = ("eio", "ignore-corruption", "restart-on-corruption")  # dm-verity's error modes
 
 READAHEAD_MIN_SIZE = 128 << 10  # a request this large triggers Merkle readahead
 
@@ -84,32 +87,8 @@ class ServerConfig:
     serialize: bool = False
 
 
-# key -> (ServerConfig field or tree option, parser)
-_KEYS = {
-    "data": ("data", absolute_file),
-    "hash": ("hash", absolute_file),
-    "root-hash": ("root_hash", lambda k, v: v.strip()),
-    "root-hash-file": ("root_hash_file", absolute_file),
-    "hash-offset": ("tree.hash_offset", parse_size),
-    "no-superblock": ("tree.no_superblock", parse_bool),
-    "format": ("tree.hash_type", lambda k, v: parse_int(k, v)),
-    "algorithm": ("tree.algorithm", lambda k, v: v.strip()),
-    "salt": ("tree.salt", lambda k, v: _salt(k, v)),
-    "data-block-size": ("tree.data_block_size", parse_size),
-    "hash-block-size": ("tree.hash_block_size", parse_size),
-    "data-blocks": ("tree.data_blocks", lambda k, v: parse_int(k, v, 1)),
-    "error-mode": ("mode", lambda k, v: _choice(k, v, MODES)),
-    "ignore-zero-blocks": ("ignore_zero_blocks", parse_bool),
-    "check-at-most-once": ("check_at_most_once", parse_bool),
-    "cache-size": ("cache_size", parse_size),
-    "readahead": ("readahead", parse_bool),
-    "readahead-min-size": ("readahead_min_size", parse_size),
-    "control": ("control", absolute_file),
-    "threshold-preset": ("threshold_preset", lambda k, v: v.strip()),
-    "workers": ("workers", lambda k, v: parse_int(k, v, 0)),
-    "default-class": ("default_class", lambda k, v: v.strip().lower()),
-    "serialize": ("serialize", parse_bool),
-}
+def _text(key: str, text: str) -> str:
+    return text.strip()
 
 
 def _salt(key: str, text: str) -> bytes:
@@ -119,10 +98,94 @@ def _salt(key: str, text: str) -> bytes:
         raise ConfigError(f"{key}: {str(e).split(': ', 1)[1]}") from None
 
 
-def _choice(key: str, text: str, choices) -> str:
-    if text not in choices:
-        raise ConfigError(f"{key}: {text!r} is not one of {', '.join(choices)}")
-    return text
+def _choice(choices):
+    def parse(key: str, text: str) -> str:
+        if text not in choices:
+            raise ConfigError(f"{key}: {text!r} is not one of {', '.join(choices)}")
+        return text
+    return parse
+
+
+def _threshold(key: str, text: str) -> tuple[str, str]:
+    """threshold=CLASS=BYTES (repeatable); the class and size are checked by the Device."""
+    name, sep, amount = text.partition("=")
+    if not sep:
+        raise ConfigError(f"threshold: {text!r} is not CLASS=BYTES")
+    return name.strip().lower(), amount.strip()
+
+
+@dataclass(frozen=True)
+class Key:
+    """One plugin key: where its value goes, how it is parsed, and which `serve` option
+    (a click parameter name) feeds it, if any."""
+
+    name: str  # the nbdkit key
+    target: str  # a ServerConfig field, or "tree.NAME" for params.load_params
+    parse: Callable[[str, str], object]
+    option: str | None = None
+
+
+# Every plugin key, once: nbdkit's config() parses with it and `serve` derives its nbdkit
+# argument list from it (plugin_pairs), so the two front ends cannot drift apart.
+KEYS = (
+    Key("data", "data", absolute_file, "data"),
+    Key("hash", "hash", absolute_file, "hash_image"),
+    Key("root-hash", "root_hash", _text, "root_hash"),
+    Key("root-hash-file", "root_hash_file", absolute_file, "root_hash_file"),
+    Key("hash-offset", "tree.hash_offset", parse_size, "hash_offset"),
+    Key("no-superblock", "tree.no_superblock", parse_bool, "no_superblock"),
+    Key("format", "tree.hash_type", lambda k, v: parse_int(k, v), "hash_type"),
+    Key("algorithm", "tree.algorithm", _text, "algorithm"),
+    Key("salt", "tree.salt", _salt, "salt"),
+    Key("data-block-size", "tree.data_block_size", parse_size, "data_block_size"),
+    Key("hash-block-size", "tree.hash_block_size", parse_size, "hash_block_size"),
+    Key("data-blocks", "tree.data_blocks", lambda k, v: parse_int(k, v, 1), "data_blocks"),
+    Key("error-mode", "mode", _choice(MODES), "error_mode"),
+    Key("ignore-zero-blocks", "ignore_zero_blocks", parse_bool, "ignore_zero_blocks"),
+    Key("check-at-most-once", "check_at_most_once", parse_bool, "check_at_most_once"),
+    Key("cache-size", "cache_size", parse_size, "cache_size"),
+    Key("readahead", "readahead", parse_bool, "readahead"),
+    Key("readahead-min-size", "readahead_min_size", parse_size),
+    Key("control", "control", absolute_file, "control"),
+    Key("threshold", "thresholds", _threshold, "thresholds"),  # repeatable
+    Key("threshold-preset", "threshold_preset", _text, "threshold_preset"),
+    Key("workers", "workers", lambda k, v: parse_int(k, v, 0), "workers"),
+    Key("default-class", "default_class", lambda k, v: v.strip().lower(), "default_class"),
+    Key("serialize", "serialize", parse_bool, "serialize"),
+)
+_BY_NAME = {key.name: key for key in KEYS}
+_DEFAULTS = {f.name: f.default for f in fields(ServerConfig)}
+
+
+def _render(key: Key, value) -> str:
+    """A `serve` option's value as the plugin key's text (paths made absolute)."""
+    if key.parse is absolute_file:
+        return os.path.abspath(value)
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, bytes):
+        return value.hex() or "-"
+    return str(value)
+
+
+def plugin_pairs(options: dict) -> list[tuple[str, str]]:
+    """The plugin's key=value pairs for `serve`'s options (click parameter names).
+
+    An option that is unset (None) or equal to the server's default adds no key."""
+    pairs = []
+    for key in KEYS:
+        if key.option is None or options.get(key.option) is None:
+            continue
+        value = options[key.option]
+        if key.target.startswith("tree.") and value is False:
+            continue  # a flag not given
+        if key.name == "threshold":
+            pairs.extend((key.name, str(item)) for item in value)
+            continue
+        if value == _DEFAULTS.get(key.target) and not key.target.startswith("tree."):
+            continue
+        pairs.append((key.name, _render(key, value)))
+    return pairs
 
 
 class ConfigBuilder:
@@ -134,37 +197,25 @@ class ConfigBuilder:
         self.thresholds: dict[str, str] = {}
 
     def add(self, key: str, value: str) -> None:
-        if key == "threshold":  # repeatable: threshold=CLASS=BYTES
-            name, sep, amount = value.partition("=")
-            if not sep:
-                raise ConfigError(f"threshold: {value!r} is not CLASS=BYTES")
-            self.thresholds[name.strip().lower()] = amount.strip()
-            return
-        if key not in _KEYS:
+        if key not in _BY_NAME:
             raise ConfigError(f"unknown parameter: {key}")
-        target, parser = _KEYS[key]
-        parsed = parser(key, value)
-        if target.startswith("tree."):
-            self.tree[target[5:]] = parsed
+        spec = _BY_NAME[key]
+        parsed = spec.parse(key, value)
+        if spec.target == "thresholds":
+            name, amount = parsed
+            self.thresholds[name] = amount
+        elif spec.target.startswith("tree."):
+            self.tree[spec.target[5:]] = parsed
         else:
-            self.values[target] = parsed
+            self.values[spec.target] = parsed
 
     def build(self) -> ServerConfig:
         values = dict(self.values)
         for required in ("data", "hash"):
             if required not in values:
                 raise ConfigError(f"{required}: missing (give {required}=PATH)")
-        root_file = values.pop("root_hash_file", None)
-        if root_file is not None:
-            if "root_hash" in values:
-                raise ConfigError("root-hash-file: give root-hash or root-hash-file, not both")
-            try:
-                with open(root_file) as f:
-                    values["root_hash"] = f.read().strip()
-            except OSError as e:
-                raise ConfigError(f"root-hash-file: {root_file}: {e.strerror}") from None
-        if "root_hash" not in values:
-            raise ConfigError("root-hash: missing (give root-hash=HEX or root-hash-file=PATH)")
+        values["root_hash"] = root_hash_text(values.get("root_hash"),
+                                             values.pop("root_hash_file", None))
         return ServerConfig(tree=dict(self.tree), thresholds=dict(self.thresholds), **values)
 
 

@@ -8,6 +8,9 @@ Requests (`cmd` names the command; docs/control.md has examples):
   {"cmd": "status"}                                  -> V/C, corruptions, uptime
 Every reply has "ok"; failures are {"ok": false, "error": "..."} and change nothing.
 
+The client half (`request`, `exchange`) is what `nbd-verity ctl`, tune, the launcher and
+the tests use; it imports nothing of the server side.
+
 Only root and the server's own user may talk to it: the socket is created 0600 and each
 peer's uid is checked with SO_PEERCRED. A stale socket file is replaced only after a
 connect to it is refused. The listening socket is bound in get_ready (errors stop
@@ -24,11 +27,64 @@ import stat
 import struct
 import threading
 
-from .dispatch import preset, table_dict, updated_table
 from .errors import ConfigError, VerityError
 
 MAX_LINE = 64 << 10
 MAX_CLIENTS = 8
+CLIENT_TIMEOUT = 10.0  # seconds a client waits for the server's reply
+
+
+# -- the client -----------------------------------------------------------------------
+
+
+def exchange(path: str | os.PathLike, payload: bytes, timeout: float = CLIENT_TIMEOUT) -> bytes:
+    """Send payload on a fresh connection, half-close, and return the reply line (raw).
+
+    The server may stop reading early (an overlong line): a send error is ignored and the
+    reply it wrote before closing is still read. OSError when the socket is unreachable."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout)
+        sock.connect(os.fspath(path))
+        with contextlib.suppress(OSError):  # EPIPE, ECONNRESET: it stopped reading
+            sock.sendall(payload)
+            sock.shutdown(socket.SHUT_WR)
+        reply = b""
+        while not reply.endswith(b"\n"):
+            try:
+                chunk = sock.recv(65536)
+            except ConnectionResetError:
+                break
+            if not chunk:
+                break
+            reply += chunk
+    return reply
+
+
+def request(path: str | os.PathLike, message: dict, timeout: float = CLIENT_TIMEOUT) -> dict:
+    """One request, its decoded reply (ok or not); VerityError when there is none."""
+    try:
+        reply = exchange(path, json.dumps(message).encode() + b"\n", timeout)
+    except OSError as e:
+        raise VerityError(f"control: {os.fspath(path)}: {e.strerror or e}") from None
+    try:
+        answer = json.loads(reply)
+    except ValueError:
+        answer = None
+    if not isinstance(answer, dict):
+        raise VerityError(f"control: {os.fspath(path)}: no valid reply")
+    return answer
+
+
+def checked_request(path: str | os.PathLike, message: dict,
+                    timeout: float = CLIENT_TIMEOUT) -> dict:
+    """A successful reply; the server's refusal as VerityError("server: ...")."""
+    reply = request(path, message, timeout)
+    if reply.get("ok") is not True:
+        raise VerityError(f"server: {reply.get('error', 'unknown error')}")
+    return reply
+
+
+# -- the server -----------------------------------------------------------------------
 
 
 _FIELDS = {  # the fields each command accepts
@@ -83,6 +139,7 @@ class Control:
         return getattr(self, f"_{command}")(request)
 
     def _thresholds(self, request: dict) -> dict:
+        from .dispatch import preset, table_dict, updated_table  # server side only
         dispatcher = self.device.dispatcher
         changes = _field(request, "set", dict)
         name = _field(request, "preset", str)

@@ -13,6 +13,7 @@ import functools
 import hashlib
 
 from .errors import ConfigError
+from .limits import MAX_SALT_SIZE
 
 # veritysetup's algorithm names mapped to hashlib's, for those hashlib has.
 _HASHLIB_NAMES = {
@@ -31,8 +32,6 @@ _HASHLIB_NAMES = {
     "ripemd160": "ripemd160",
     "sm3": "sm3",
 }
-
-MAX_SALT_SIZE = 256
 
 
 def supported_algorithms() -> list[str]:

@@ -22,8 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from .errors import ConfigError
 from .ioprio import CLASSES, class_index
+from .limits import MAX_REQUEST_SIZE
 
-MAX_REQUEST_SIZE = 32 << 20  # the largest request we advertise to nbdkit (block_size max)
 CHUNK_SIZE = 256 << 10  # bytes per pool task: measured best of 64K..256K (docs/control.md)
 PRESETS = {
     "default": (4096, 4096, 4096, 4096),  # the seed patch

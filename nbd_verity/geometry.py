@@ -12,18 +12,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .errors import FormatError
-from .superblock import SUPERBLOCK_SIZE, block_size_ok
-
-MAX_LEVELS = 63
-# Images are files or block devices, addressed with a signed 64-bit off_t (cryptsetup
-# checks against 2**64, but no file or device can reach past 2**63 - 1).
-MAX_OFFSET = (1 << 63) - 1
+from .limits import HASH_OFFSET_ALIGN, MAX_LEVELS, MAX_OFFSET, block_size_problem
+from .superblock import SUPERBLOCK_SIZE
 
 
 def hash_start_block(hash_offset: int, hash_block_size: int, superblock: bool) -> int:
     """First block of the tree, in hash-block units (veritysetup's VERITY_hash_offset_block)."""
-    if hash_offset % 512:
-        raise FormatError(f"hash-offset: {hash_offset} is not a multiple of 512")
+    if hash_offset % HASH_OFFSET_ALIGN:
+        raise FormatError(f"hash-offset: {hash_offset} is not a multiple of "
+                          f"{HASH_OFFSET_ALIGN}")
     if superblock:
         return (hash_offset + SUPERBLOCK_SIZE + hash_block_size - 1) // hash_block_size
     return hash_offset // hash_block_size
@@ -55,10 +52,9 @@ class TreeGeometry:
         """Compute every level's size and place; raise FormatError on impossible input."""
         for name, size in (("data-block-size", data_block_size),
                            ("hash-block-size", hash_block_size)):
-            if not block_size_ok(size):
-                raise FormatError(
-                    f"{name}: {size} is not a power of two from 512 to 524288"
-                )
+            problem = block_size_problem(name, size)
+            if problem:
+                raise FormatError(problem)
         if data_blocks < 1:
             raise FormatError(f"data-blocks: {data_blocks} (at least one block is needed)")
         if data_blocks * data_block_size > MAX_OFFSET:
@@ -73,7 +69,8 @@ class TreeGeometry:
         while (data_blocks - 1) >> (hpb_bits * levels):
             levels += 1
             if hpb_bits * levels >= 64 or levels > MAX_LEVELS:
-                raise FormatError(f"data-blocks: {data_blocks} needs more than 63 levels")
+                raise FormatError(f"data-blocks: {data_blocks} needs more than {MAX_LEVELS} "
+                                  f"levels")
         sizes = tuple(-(-data_blocks // (1 << (hpb_bits * (i + 1)))) for i in range(levels))
         starts = [0] * levels
         position = hash_start_block

@@ -13,8 +13,9 @@ from dataclasses import dataclass, field, replace
 
 from .digest import Digester, normalize_algorithm
 from .errors import ConfigError, FormatError, ImageIOError, SuperblockError
-from .geometry import MAX_OFFSET, TreeGeometry, hash_start_block
-from .superblock import SUPERBLOCK_SIZE, Superblock, block_size_ok
+from .geometry import TreeGeometry, hash_start_block
+from .limits import HASH_OFFSET_ALIGN, MAX_OFFSET, MAX_SALT_SIZE, block_size_problem
+from .superblock import SUPERBLOCK_SIZE, Superblock
 
 DEFAULT_SALT_SIZE = 32
 
@@ -40,10 +41,12 @@ class VerityParams:
         normalize_algorithm(self.algorithm)
         for name, size in (("data-block-size", self.data_block_size),
                            ("hash-block-size", self.hash_block_size)):
-            if not block_size_ok(size):
-                raise ConfigError(f"{name}: {size} is not a power of two from 512 to 524288")
-        if len(self.salt) > 256:
-            raise ConfigError(f"salt: {len(self.salt)} bytes exceeds the maximum of 256")
+            problem = block_size_problem(name, size)
+            if problem:
+                raise ConfigError(problem)
+        if len(self.salt) > MAX_SALT_SIZE:
+            raise ConfigError(f"salt: {len(self.salt)} bytes exceeds the maximum of "
+                              f"{MAX_SALT_SIZE}")
         check_hash_offset(self.hash_offset)
         self.geometry()  # raises on impossible sizes
         return self
@@ -88,8 +91,9 @@ def random_uuid() -> bytes:
 
 def check_hash_offset(hash_offset: int) -> int:
     """veritysetup's rule: the superblock or tree starts on a 512-byte boundary."""
-    if hash_offset < 0 or hash_offset % 512:
-        raise ConfigError(f"hash-offset: {hash_offset} is not a multiple of 512")
+    if hash_offset < 0 or hash_offset % HASH_OFFSET_ALIGN:
+        raise ConfigError(f"hash-offset: {hash_offset} is not a multiple of "
+                          f"{HASH_OFFSET_ALIGN}")
     if hash_offset + SUPERBLOCK_SIZE > MAX_OFFSET:
         raise ConfigError(f"hash-offset: {hash_offset} is past the largest file offset "
                           f"(2**63 - 1)")

@@ -12,13 +12,11 @@ import uuid as uuidlib
 from dataclasses import dataclass
 
 from .errors import SuperblockError
+from .limits import MAX_SALT_SIZE, block_size_ok
 
 SIGNATURE = b"verity\x00\x00"
 SUPERBLOCK_SIZE = 512
 VERSION = 1
-MAX_SALT_SIZE = 256
-MIN_BLOCK_SIZE = 512
-MAX_BLOCK_SIZE = 512 * 1024
 
 _LAYOUT = struct.Struct(
     "<"
@@ -37,11 +35,6 @@ _LAYOUT = struct.Struct(
 )
 if _LAYOUT.size != SUPERBLOCK_SIZE:  # a size self-check of the on-disk struct at import
     raise ImportError(f"verity superblock layout is {_LAYOUT.size} bytes, not 512")
-
-
-def block_size_ok(size: int) -> bool:
-    """veritysetup's VERITY_BLOCK_SIZE_OK: a power of two from 512 B to 512 KiB."""
-    return MIN_BLOCK_SIZE <= size <= MAX_BLOCK_SIZE and size & (size - 1) == 0
 
 
 @dataclass(frozen=True)

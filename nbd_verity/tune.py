@@ -34,12 +34,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .dispatch import MAX_REQUEST_SIZE
+from .dispatch import INLINE, POOL
 from .errors import ConfigError
 from .ioprio import CLASSES
+from .limits import MAX_REQUEST_SIZE
 
 SIZES = tuple(4096 << i for i in range(8))  # 4 KiB .. 512 KiB
-INLINE, POOL = "inline", "pool"
 FORCE = {INLINE: MAX_REQUEST_SIZE, POOL: 0}  # the threshold that forces each mode
 CACHE_STEP = 32 << 20  # NBD_CMD_CACHE / warm-up reads per request (the server's maximum)
 

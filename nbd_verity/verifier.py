@@ -12,18 +12,16 @@ Merkle readahead (fs-verity) fetches many level-0 blocks in one read and verifie
 
 from __future__ import annotations
 
-import sys
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from .blocks import split_request
 from .cache import HashBlockCache
 from .errors import CorruptionError, DataCorruption, HashCorruption, ImageIOError
+from .log import log
 from .params import VerityParams
 from .source import ImageFile
 
-MODES = ("eio", "ignore-corruption", "restart-on-corruption")
 MAX_LOGGED_ERRORS = 100  # the kernel's DM_VERITY_MAX_CORRUPTED_ERRS
 
 
@@ -71,24 +69,16 @@ class Counters:
         return "C" if self.corrupted else "V"
 
 
-def log(message: str) -> None:
-    """One line on nbdkit's stderr (the terminal in -f mode, the journal under systemd)."""
-    sys.stderr.write(f"nbd-verity: {message}\n")
-    sys.stderr.flush()
-
-
 class Verifier:
     """Reads and verifies data ranges of one verity device."""
 
     def __init__(self, params: VerityParams, data: ImageFile, hashes: ImageFile, root: bytes,
-                 cache: HashBlockCache, options: VerifyOptions = VerifyOptions(),
-                 on_restart: Callable[[], None] | None = None) -> None:
+                 cache: HashBlockCache, options: VerifyOptions = VerifyOptions()) -> None:
         self.params = params
         self.geo = params.geometry()
         self.digester = params.digester()
         self.data, self.hashes, self.root = data, hashes, root
         self.cache, self.options = cache, options
-        self.on_restart = on_restart
         self.counters = Counters()
         dbs = self.geo.data_block_size
         self._zero_block = bytes(dbs)
@@ -273,7 +263,8 @@ class Verifier:
     # -- errors -----------------------------------------------------------------------
 
     def _corruption(self, error: CorruptionError) -> None:
-        """Count and log a corruption, then act on it as the error mode says."""
+        """Count and log a corruption; raise it unless the mode is ignore-corruption (what
+        restart-on-corruption then does is the plugin's decision, at the edge)."""
         counters = self.counters
         counters.corrupted = True
         seen = counters.add(corruptions=1)
@@ -283,6 +274,4 @@ class Verifier:
             log("reached maximum errors; further corruptions are counted, not logged")
         if self.options.mode == "ignore-corruption":
             return
-        if self.options.mode == "restart-on-corruption" and self.on_restart:
-            self.on_restart()
         raise error

@@ -1,30 +1,29 @@
 """A real `nbd-verity serve` with a control socket, and the clients that talk to it.
 
 Every server here is the installed `nbd-verity serve` (which execs nbdkit), started in the
-foreground with `--exit-with-parent` and a pid file, and stopped by its pid. It is ready
-when its pid file and NBD socket exist and its control socket answers `status`: start-up
-binds the control socket in get_ready but accepts on it only from after_fork, so a reply
-proves the whole server is up. Control requests are written as raw bytes here, not with
-nbd_verity's own client, so a malformed line reaches the server exactly as written.
+foreground with `--exit-with-parent` and a pid file by nbd_verity.launch, and stopped by
+its pid. It is ready when its pid file is written, its NBD socket accepts and its control
+socket answers `status` (start-up binds the control socket in get_ready but accepts on it
+only from after_fork, so a reply proves the whole server is up). Malformed control lines
+go out with control.exchange, which sends raw bytes exactly as written.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import nbd
 
-from nbd_verity.procs import stop_process
+from nbd_verity.control import exchange  # noqa: F401  (the tests send raw lines with it)
+from nbd_verity.control import request as control_request
+from nbd_verity.launch import Launched
 
 PROJECT = Path(__file__).resolve().parents[2]
 NBD_VERITY = str(Path(sys.executable).parent / "nbd-verity")
@@ -73,34 +72,9 @@ def veritysetup_format(data: Path, hash_path: Path) -> str:
 # -- control socket -------------------------------------------------------------------
 
 
-def exchange(path, payload: bytes, timeout: float = 10.0) -> bytes:
-    """Send raw bytes on a fresh control connection, half-close, return the reply line.
-
-    The server may close early (an overlong line): a send error is ignored and whatever
-    reply it wrote before closing is still read."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.settimeout(timeout)
-        sock.connect(str(path))
-        with contextlib.suppress(OSError):  # EPIPE, ECONNRESET: it stopped reading
-            sock.sendall(payload)
-            sock.shutdown(socket.SHUT_WR)
-        reply = b""
-        while not reply.endswith(b"\n"):
-            try:
-                chunk = sock.recv(65536)
-            except ConnectionResetError:
-                break
-            if not chunk:
-                break
-            reply += chunk
-    return reply
-
-
 def request(path, message: dict) -> dict:
-    """One JSON request, one decoded reply."""
-    reply = exchange(path, json.dumps(message).encode() + b"\n")
-    assert reply.endswith(b"\n"), f"no complete reply line: {reply!r}"
-    return json.loads(reply)
+    """One JSON request, one decoded reply (ok or not)."""
+    return control_request(path, message)
 
 
 def checked(path, message: dict) -> dict:
@@ -129,53 +103,23 @@ def nbd_client(socket_path, export_name: str = ""):
 # -- servers --------------------------------------------------------------------------
 
 
-class Server:
+class Server(Launched):
     """One `nbd-verity serve` on a Unix socket, with a control socket and a pid file."""
 
     def __init__(self, image: Image, directory: Path, name: str, *options: str,
                  control: Path | None = None) -> None:
         self.image = image
-        self.socket = directory / f"{name}.sock"
-        self.control = control or directory / f"{name}.ctl"
-        self.pid_file = directory / f"{name}.pid"
-        self.log_path = directory / f"{name}.log"
-        self.argv = [NBD_VERITY, "serve", str(image.data), str(image.hash), image.root,
-                     "--unix", str(self.socket), "--control", str(self.control),
-                     "--pid-file", str(self.pid_file), "--exit-with-parent", *options]
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=self._log,
-                                     stderr=subprocess.STDOUT, env=clean_env())
+        control = control or directory / f"{name}.ctl"
+        sock, pid_file = directory / f"{name}.sock", directory / f"{name}.pid"
+        super().__init__([NBD_VERITY, "serve", str(image.data), str(image.hash), image.root,
+                          "--unix", str(sock), "--control", str(control),
+                          "--pid-file", str(pid_file), "--exit-with-parent", *options],
+                         socket=sock, pid_file=pid_file, control=control,
+                         log_path=directory / f"{name}.log", env=clean_env())
+        self.start(ready=False)
 
-    def wait_ready(self) -> Server:
-        """Poll (pid file, NBD socket, a `status` reply) until ready or exited."""
-        deadline = time.monotonic() + START_TIMEOUT
-        while time.monotonic() < deadline:
-            if self._answers():
-                return self
-            try:
-                self.proc.wait(timeout=0.02)  # the polling interval; also notices an exit
-            except subprocess.TimeoutExpired:
-                continue
-            raise AssertionError(f"server exited with {self.proc.returncode} before it "
-                                 f"was ready:\n{self.log()}")
-        raise AssertionError(f"server not ready within {START_TIMEOUT} s:\n{self.log()}")
-
-    def _answers(self) -> bool:
-        with contextlib.suppress(FileNotFoundError):
-            if not (self.pid_file.read_text().strip() and self.socket.exists()):
-                return False
-            try:
-                return request(self.control, {"cmd": "status"}).get("ok") is True
-            except (OSError, ValueError):
-                return False
-        return False
-
-    def log(self) -> str:
-        self._log.flush()
-        return self.log_path.read_text(errors="replace")
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
+    def wait_ready(self, timeout: float = START_TIMEOUT) -> Server:
+        return super().wait_ready(timeout)
 
     # control shortcuts
     def ask(self, message: dict) -> dict:
@@ -200,12 +144,6 @@ class Server:
 
     def client(self, export_name: str = ""):
         return nbd_client(self.socket, export_name)
-
-    def stop(self) -> int:
-        """SIGTERM by pid (SIGKILL if it hangs); returns the exit status."""
-        stop_process(self.proc, STOP_TIMEOUT)
-        self._log.close()
-        return self.proc.returncode
 
 
 class Servers:

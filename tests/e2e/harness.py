@@ -29,7 +29,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from nbd_verity.procs import stop_process
+from nbd_verity.launch import Launched
 
 GUEST_DIR = Path(__file__).resolve().parent / "guest"
 # The venv's own entry point: the one built from this checkout.
@@ -142,30 +142,17 @@ class Netns:
 
 @contextmanager
 def nbd_server(netns: Netns, server: Server, port: int, work: Path) -> Iterator[Path]:
-    """Run server in netns on 127.0.0.1:port until the block ends; yields its log file."""
+    """Run server in netns on 127.0.0.1:port until the block ends; yields its log file.
+
+    Ready means its pid file is written (nbdkit does so once it listens): the host cannot
+    connect into the namespace to check the socket itself."""
     pid_file = work / f"server-{port}.pid"
     log = work / f"server-{port}.log"
     pid_file.unlink(missing_ok=True)
-    with open(log, "wb") as log_f:
-        proc = subprocess.Popen(netns.wrap(server.argv(port, pid_file)), stdin=subprocess.DEVNULL,
-                                stdout=log_f, stderr=subprocess.STDOUT)
-    try:
-        _wait_listening(proc, pid_file, log)
+    launched = Launched(netns.wrap(server.argv(port, pid_file)), pid_file=pid_file,
+                        log_path=log, name="e2e server")
+    with launched.start(timeout=SERVER_START_S):
         yield log
-    finally:
-        stop_process(proc)
-
-
-def _wait_listening(proc: subprocess.Popen, pid_file: Path, log: Path) -> None:
-    """Return once the server wrote its pid file (nbdkit does so after it listens)."""
-    deadline = time.monotonic() + SERVER_START_S
-    while not (pid_file.exists() and pid_file.read_text().strip()):
-        if proc.poll() is not None:
-            raise RuntimeError(f"e2e: server exited with {proc.returncode}:\n{log.read_text()}")
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"e2e: server not listening after {SERVER_START_S} s:\n"
-                               f"{log.read_text()}")
-        time.sleep(0.05)
 
 
 @dataclass(frozen=True)

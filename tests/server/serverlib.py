@@ -3,10 +3,11 @@
 Every image is made by `veritysetup format` in a temporary directory; every server is a
 real `nbdkit python plugin.py` (or `nbd-verity serve`, which execs nbdkit) listening on a
 Unix socket, started in the foreground with a pid file and stopped by its pid when the
-test ends, whatever happened. Readiness is the pid file, which nbdkit writes only after
-its socket is listening. Hash-block positions are found from the images themselves (the
-block whose salted digest is the root, or that holds a data block's digest), not from
-nbd_verity's own geometry, so a geometry bug cannot hide itself.
+test ends, whatever happened, by nbd_verity.launch (readiness: the pid file, which nbdkit
+writes only once it listens, and the socket accepting a connection). Hash-block
+positions are found from the images themselves (the block whose salted digest is the
+root, or that holds a data block's digest), not from nbd_verity's own geometry, so a
+geometry bug cannot hide itself.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
-import json
 import os
 import random
 import re
@@ -23,14 +23,14 @@ import signal
 import socket
 import struct
 import subprocess
-import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import nbd
 import pytest
 
-from nbd_verity.procs import stop_process
+from nbd_verity.control import checked_request
+from nbd_verity.launch import Launched, plugin_environment
 
 PROJECT = Path(__file__).resolve().parents[2]
 PLUGIN = PROJECT / "plugin.py"
@@ -40,13 +40,6 @@ VERITYSETUP = shutil.which("veritysetup") or "/usr/sbin/veritysetup"
 START_TIMEOUT = 20.0  # seconds for nbdkit to listen (the machine is shared and small)
 STOP_TIMEOUT = 10.0
 MIB = 1 << 20
-
-
-def server_env() -> dict:
-    """nbdkit runs plugin.py without its folder on sys.path: PYTHONPATH finds nbd_verity."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PROJECT), env.get("PYTHONPATH")) if p)
-    return env
 
 
 # -- images ---------------------------------------------------------------------------
@@ -240,43 +233,21 @@ def close_handle(h) -> None:
 # -- servers --------------------------------------------------------------------------
 
 
-class Server:
-    """One nbdkit process on a Unix socket: started in the foreground, stopped by pid."""
+class Server(Launched):
+    """One nbdkit process on a Unix socket (nbd_verity.launch), with libnbd clients that
+    are closed before it is stopped."""
 
     def __init__(self, argv: list[str], socket_path: str, pid_file: str, log_path: Path):
-        self.argv = argv
-        self.socket = socket_path
-        self.pid_file = pid_file
-        self.log_path = log_path
+        super().__init__(argv, socket=socket_path, pid_file=pid_file, log_path=log_path)
         self.handles: list = []
-        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
-        try:
-            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=self._log,
-                                         stderr=subprocess.STDOUT, env=server_env())
-        except OSError:
-            self._log.close()
-            raise
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
+        self.start(ready=False)
 
     @property
     def uri(self) -> str:
         return f"nbd+unix:///?socket={self.socket}"
 
-    def wait_ready(self) -> Server:
-        """Poll for the pid file (written once the socket listens) or an early exit."""
-        deadline = time.monotonic() + START_TIMEOUT
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"server exited with {self.proc.returncode} before "
-                                     f"listening:\n{self.log()}")
-            with contextlib.suppress(FileNotFoundError):
-                if Path(self.pid_file).read_text().strip() and os.path.exists(self.socket):
-                    return self
-            time.sleep(0.01)  # polling interval, not a barrier: the loop checks the file
-        raise AssertionError(f"server did not listen within {START_TIMEOUT} s:\n{self.log()}")
+    def wait_ready(self, timeout: float = START_TIMEOUT) -> Server:
+        return super().wait_ready(timeout)
 
     def connect(self):
         """A new libnbd client connected to this server (closed when the test ends)."""
@@ -285,31 +256,18 @@ class Server:
         h.connect_unix(self.socket)
         return h
 
-    def log(self) -> str:
-        """Everything the server wrote to stderr so far."""
-        self._log.flush()
-        return self.log_path.read_text(errors="replace")
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def wait(self, timeout: float = STOP_TIMEOUT) -> int:
-        return self.proc.wait(timeout=timeout)
-
-    def stop(self) -> int:
-        """Close our clients, then SIGTERM the server by pid (SIGKILL if it hangs)."""
+    def stop(self, timeout: float = STOP_TIMEOUT) -> int | None:
+        """Close our clients, then stop the server by its pid."""
         for h in self.handles:
             close_handle(h)
         self.handles.clear()
-        stop_process(self.proc, STOP_TIMEOUT)
-        self._log.close()
-        return self.proc.returncode
+        return super().stop(timeout)
 
 
 def run_refusal(argv: list[str], timeout: float = 30.0) -> subprocess.CompletedProcess:
     """Run a server command that must refuse to start; kill it by pid if it does not."""
     proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=server_env())
+                            stderr=subprocess.PIPE, text=True, env=plugin_environment())
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -369,16 +327,5 @@ def raw_read_reply(sock: socket.socket, handle: int, length: int) -> tuple[int, 
 
 
 def control_request(path: str, request: dict) -> dict:
-    """One request on the server's control socket (one JSON object per line each way)."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.settimeout(STOP_TIMEOUT)
-        sock.connect(path)
-        sock.sendall(json.dumps(request).encode() + b"\n")
-        reply = b""
-        while not reply.endswith(b"\n"):
-            chunk = sock.recv(65536)
-            assert chunk, f"control socket closed mid-reply: {reply!r}"
-            reply += chunk
-    answer = json.loads(reply)
-    assert answer["ok"], answer
-    return answer
+    """One request on the server's control socket; it must succeed."""
+    return checked_request(path, request)

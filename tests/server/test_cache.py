@@ -1,6 +1,6 @@
 """NBD_CMD_CACHE warms the verified hash-block cache.
 
-The "no hash reads after CACHE" assertion runs server.Device/Connection in-process, where
+The "no hash reads after CACHE" assertion runs Device/Connection in-process, where
 the counters are at hand (test_stats.py checks the same through a real nbdkit's control
 socket); a real nbdkit then shows that CACHE works over the wire and never caches an
 unverified block, and what the level-0 cache keeps or evicts.
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 from serverlib import MIB, expect_eio, flip_byte
 
-from nbd_verity import server
+from nbd_verity.device import Connection, Device
 from nbd_verity.config import config_from_pairs
 
 # offset, count: unaligned, several level-0 blocks; the first runs to the device's end (so
@@ -25,7 +25,7 @@ def device(default_image):
     devices = []
 
     def make(**keys):
-        dev = server.Device(config_from_pairs(default_image.pairs(**keys)))
+        dev = Device(config_from_pairs(default_image.pairs(**keys)))
         devices.append(dev)
         return dev
 
@@ -38,13 +38,13 @@ def read_counting(dev, offset: int, count: int) -> tuple[bytes, dict]:
     """Read through a new Connection; return the bytes and the counters of that read."""
     dev.verifier.counters.reset()
     buf = bytearray(count)
-    server.Connection(dev).read(memoryview(buf), offset)
+    Connection(dev).read(memoryview(buf), offset)
     return bytes(buf), dev.verifier.counters.snapshot()
 
 
 def cache_then_read(default_image, dev, offset: int, count: int) -> dict:
     dev.verifier.counters.reset()
-    server.Connection(dev).cache(count, offset)
+    Connection(dev).cache(count, offset)
     assert dev.verifier.counters.snapshot()["hash_reads"] > 0
     data, counts = read_counting(dev, offset, count)
     assert data == default_image.expected(offset, count)

@@ -8,7 +8,7 @@ import os
 import pytest
 from serverlib import MIB, control_request, flip_byte
 
-from nbd_verity import server
+from nbd_verity.device import Connection, Device
 from nbd_verity.config import config_from_pairs
 
 TAIL = (1 * MIB + 12345, 3 * MIB - 12345)  # to the device's end: nothing to read ahead
@@ -42,10 +42,10 @@ def test_each_block_read_is_counted_once(default_image, tmp_path):
     image = default_image.copy(tmp_path)
     dbs = image.data_block_size
     flip_byte(image.data, 300 * dbs)
-    dev = server.Device(config_from_pairs(image.pairs(error_mode="ignore-corruption")))
+    dev = Device(config_from_pairs(image.pairs(error_mode="ignore-corruption")))
     try:
         buf = bytearray(image.size)
-        server.Connection(dev).read(memoryview(buf), 0)
+        Connection(dev).read(memoryview(buf), 0)
         counts = dev.verifier.counters.snapshot()
     finally:
         dev.close()

@@ -2,27 +2,22 @@
 
 The image is 4 MiB of seeded random data with its tree from `nbd-verity format`. A server
 is `nbd-verity serve` (which execs nbdkit) on a Unix socket with a control socket, started
-in the foreground and stopped by its pid when the test ends, whatever happened. Ready means
-the pid file exists and the control socket answers (polled, never slept on).
+and stopped by its pid by nbd_verity.launch when the test ends, whatever happened.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
-import subprocess
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from nbd_verity.cli_ctl import control_request
-from nbd_verity.procs import stop_process
+from nbd_verity.control import request as control_request
+from nbd_verity.launch import Launched
 
-START_TIMEOUT = 30.0  # the machine is shared and small
 PROJECT = Path(__file__).resolve().parents[2]
 
 
@@ -35,7 +30,6 @@ class Image:
 
 @dataclass
 class Server:
-    proc: subprocess.Popen
     socket: str
     control: str
 
@@ -62,27 +56,13 @@ def server(tools, tune_image):
     """A running `nbd-verity serve` with a control socket; stopped by pid afterwards."""
     workdir = tempfile.mkdtemp(prefix="nvt-")  # short: sun_path holds 108 bytes
     sock, ctl, pid = (os.path.join(workdir, n) for n in ("nbd.sock", "ctl.sock", "pid"))
-    log = open(os.path.join(workdir, "log"), "wb")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen([tools.nbd_verity_path, "serve", tune_image.data, tune_image.hash,
-                             tune_image.root, "--unix", sock, "--control", ctl, "--pid-file",
-                             pid], stdin=subprocess.DEVNULL, stdout=log, stderr=log)
-    running = Server(proc, sock, ctl)
+    launched = Launched([tools.nbd_verity_path, "serve", tune_image.data, tune_image.hash,
+                         tune_image.root, "--unix", sock, "--control", ctl, "--pid-file", pid],
+                        socket=sock, pid_file=pid, control=ctl,
+                        log_path=os.path.join(workdir, "log"))
     try:
-        _wait_ready(running, pid, workdir)
-        yield running
+        with launched.start():
+            yield Server(sock, ctl)
     finally:
-        stop_process(proc)
-        log.close()
+        launched.stop()
         shutil.rmtree(workdir, ignore_errors=True)
-
-
-def _wait_ready(server: Server, pid_file: str, workdir: str) -> None:
-    deadline = time.monotonic() + START_TIMEOUT
-    while time.monotonic() < deadline:
-        if server.proc.poll() is not None:
-            raise AssertionError(f"server exited: {Path(workdir, 'log').read_text()}")
-        with contextlib.suppress(OSError, ValueError):
-            if os.path.exists(pid_file) and server.ctl({"cmd": "status"})["ok"]:
-                return
-        time.sleep(0.01)  # polling interval: the loop checks the control socket
-    raise AssertionError(f"server not ready within {START_TIMEOUT} s")

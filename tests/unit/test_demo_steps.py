@@ -3,17 +3,19 @@
 
 from __future__ import annotations
 
-from nbd_verity import demo
+from nbd_verity.demo import offline
+from nbd_verity.demo.__main__ import main
+from nbd_verity.demo.walkthrough import Walkthrough, run_steps
 
 
-def test_a_step_that_misbehaves_fails_the_demo(tmp_path, monkeypatch, capsys):
-    def expects_corruption(w: demo.Walkthrough) -> None:
+def test_a_step_that_misbehaves_fails_the_demo(tmp_path, capsys):
+    def expects_corruption(w: Walkthrough) -> None:
         """Verify must fail here, but the image is intact."""
         w.run("verify", w.data.name, w.hash.name, w.root, expect=1)
 
-    monkeypatch.setattr(demo, "STEPS", [demo.make_image, demo.format_image,
-                                        expects_corruption, demo.verify_image])
-    assert demo.main([str(tmp_path)]) == 1
+    steps = (offline.make_image, offline.format_image, expects_corruption,
+             offline.verify_image)
+    assert run_steps(steps, [str(tmp_path)]) == 1
     out = capsys.readouterr()
     assert "== 3. Verify must fail here" in out.out
     assert "demo FAILED: `nbd-verity verify data.img data.hash" in out.err
@@ -22,5 +24,5 @@ def test_a_step_that_misbehaves_fails_the_demo(tmp_path, monkeypatch, capsys):
 
 
 def test_usage(capsys):
-    assert demo.main([]) == 2
+    assert main([]) == 2
     assert "usage: python -m nbd_verity.demo WORKDIR" in capsys.readouterr().err

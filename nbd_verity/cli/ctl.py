@@ -3,47 +3,23 @@
 from __future__ import annotations
 
 import json
-import socket
 
 import click
 
-from .cli import edge, fail, main
-from .errors import VerityError
-from .ioprio import CLASSES
+from ..control import request
+from ..ioprio import CLASSES
+from .common import EXIT_CORRUPT, edge, fail
 
 
-def control_request(path: str, request: dict, timeout: float = 10.0) -> dict:
-    """Send one request line and return the reply; VerityError when unreachable."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(timeout)
-    try:
-        sock.connect(path)
-        sock.sendall(json.dumps(request).encode() + b"\n")
-        reply = b""
-        while not reply.endswith(b"\n"):
-            chunk = sock.recv(65536)
-            if not chunk:
-                break
-            reply += chunk
-    except OSError as e:
-        raise VerityError(f"control: {path}: {e.strerror or e}") from None
-    finally:
-        sock.close()
-    try:
-        return json.loads(reply)
-    except ValueError:
-        raise VerityError(f"control: {path}: no valid reply") from None
-
-
-def checked(path: str, request: dict) -> dict:
-    """A successful reply, or the server's error as one line and a non-zero exit."""
-    reply = control_request(path, request)
+def checked(path: str, message: dict) -> dict:
+    """A successful reply, or the server's refusal as one line and exit status 1."""
+    reply = request(path, message)
     if not reply.get("ok"):
-        fail(f"server: {reply.get('error', 'unknown error')}", 1)
+        fail(f"server: {reply.get('error', 'unknown error')}", EXIT_CORRUPT)
     return reply
 
 
-@main.group("ctl")
+@click.group("ctl")
 @click.option("--control", required=True, metavar="PATH", envvar="NBD_VERITY_CONTROL",
               help="The server's control socket.")
 @click.pass_context

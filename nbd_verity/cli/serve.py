@@ -1,18 +1,21 @@
-"""`nbd-verity serve DATA HASH [ROOT_HASH]`: options forwarded to serve.exec_server."""
+"""`nbd-verity serve DATA HASH [ROOT_HASH]`: options forwarded to launch.exec_server.
+
+The options become the plugin's key=value pairs through config.KEYS (config.plugin_pairs),
+the one table of plugin keys; the listening options become nbdkit's own.
+"""
 
 from __future__ import annotations
 
 import click
 
-from .cli import _geometry_options, _tree_options, edge, main
-from .serve import exec_server, plugin_pairs
+from .common import edge, geometry_options
 
 
-@main.command("serve")
+@click.command("serve")
 @click.argument("data")
 @click.argument("hash_image", metavar="HASH")
 @click.argument("root_hash", required=False)
-@_geometry_options
+@geometry_options
 @click.option("--root-hash-file", default=None, help="Read the root hash (hex) from this file.")
 @click.option("--unix", default=None, metavar="PATH", help="Listen on this Unix socket.")
 @click.option("--port", type=click.IntRange(0, 65535), default=None, help="Listen on TCP port.")
@@ -45,33 +48,16 @@ from .serve import exec_server, plugin_pairs
 @click.option("--serialize/--parallel", default=None,
               help="One request in Python at a time (nbdkit serialises), or many.")
 @edge
-def serve_cmd(data, hash_image, root_hash, root_hash_file, unix, port, bind,
-              ignore_corruption, restart_on_corruption, ignore_zero_blocks,
-              check_at_most_once, cache_size, readahead, threads, pid_file,
-              exit_with_parent, verbose, control, thresholds, threshold_preset, workers,
-              default_class, serialize, **kw) -> None:
+def serve_cmd(ignore_corruption, restart_on_corruption, unix, port, bind, threads, pid_file,
+              exit_with_parent, verbose, **options) -> None:
     """Serve DATA over NBD, verifying every byte against HASH and ROOT_HASH."""
+    from ..config import plugin_pairs  # the server side, imported only to serve
+    from ..launch import exec_server
     if ignore_corruption and restart_on_corruption:
         raise click.UsageError("--ignore-corruption and --restart-on-corruption conflict")
-    mode = ("ignore-corruption" if ignore_corruption else
-            "restart-on-corruption" if restart_on_corruption else "eio")
-    tree = _tree_options(kw)
-    if tree["salt"] is not None:
-        tree["salt"] = tree["salt"].hex() or "-"
-    extra = {
-        "error-mode": mode,
-        "ignore-zero-blocks": "true" if ignore_zero_blocks else None,
-        "check-at-most-once": "true" if check_at_most_once else None,
-        "cache-size": cache_size,
-        "readahead": None if readahead else "false",
-        "control": control,
-        "threshold": list(thresholds),
-        "threshold-preset": threshold_preset,
-        "workers": workers,
-        "default-class": default_class,
-        "serialize": None if serialize is None else str(serialize).lower(),
-    }
-    pairs = plugin_pairs(data, hash_image, root_hash, root_hash_file, tree, extra)
-    exec_server(pairs, {"unix": unix, "port": port, "bind": bind, "threads": threads,
-                        "pid_file": pid_file, "exit_with_parent": exit_with_parent,
-                        "verbose": verbose})
+    options["error_mode"] = ("ignore-corruption" if ignore_corruption else
+                             "restart-on-corruption" if restart_on_corruption else None)
+    exec_server(plugin_pairs(options),
+                {"unix": unix, "port": port, "bind": bind, "threads": threads,
+                 "pid_file": pid_file, "exit_with_parent": exit_with_parent,
+                 "verbose": verbose})

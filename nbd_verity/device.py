@@ -1,8 +1,10 @@
-"""Glue between nbdkit's callbacks and the verifier: one Device, one Connection per client.
+"""One verified export (Device) and its clients (Connection): what the plugin serves.
 
-plugin.py calls these functions and translates their exceptions into errno values. This
-module does not import nbdkit, so it also runs (and is tested) outside nbdkit; the few
-nbdkit services it needs (shutdown, export name, peer pid) are passed in by plugin.py.
+A Device opens the images, checks the root, and owns the cache, verifier, dispatcher and
+control socket; a Connection is one client, with its I/O class. nbd_verity.plugin calls
+them and turns their exceptions into errno values (and decides what restart-on-corruption
+does). This module does not import nbdkit, so it also runs (and is tested) outside nbdkit;
+the nbdkit services it needs (export name, peer pid) are passed in as Hooks.
 """
 
 from __future__ import annotations
@@ -13,24 +15,22 @@ from dataclasses import dataclass
 
 from .blocks import block_span
 from .cache import HashBlockCache
-from .cli_common import root_digest
 from .config import ServerConfig, parse_size
 from .control import Control, ControlServer
 from .dispatch import Dispatcher, preset, table_dict, updated_table
 from .errors import ConfigError, CorruptionError, ImageIOError
 from .ioprio import class_index, connection_class
+from .log import log
 from .params import load_params
+from .roothash import root_digest
 from .source import ImageFile
-from .verifier import Verifier, VerifyOptions, log
-
-EXIT_RESTART = 75  # exit status after restart-on-corruption (EX_TEMPFAIL): supervisor restarts
+from .verifier import Verifier, VerifyOptions
 
 
 @dataclass
 class Hooks:
-    """nbdkit services, provided by plugin.py (no-ops outside nbdkit)."""
+    """nbdkit services, provided by the plugin (defaults outside nbdkit)."""
 
-    shutdown: Callable[[], None] = lambda: None
     export_name: Callable[[], str] = lambda: ""
     peer_pid: Callable[[], int] = lambda: -1
 
@@ -41,7 +41,6 @@ class Device:
     def __init__(self, config: ServerConfig, hooks: Hooks | None = None) -> None:
         self.config = config
         self.hooks = hooks or Hooks()
-        self.restart_requested = False
         self.data = ImageFile(config.data, "data")
         self.hashes = ImageFile(config.hash, "hash")
         self.params = load_params(config.hash, config.tree, self.data.size())
@@ -54,7 +53,7 @@ class Device:
         options = VerifyOptions(config.mode, config.ignore_zero_blocks,
                                 config.check_at_most_once)
         self.verifier = Verifier(self.params, self.data, self.hashes, root, self.cache,
-                                 options, on_restart=self._restart)
+                                 options)
         try:
             self.verifier.check_root()
         except CorruptionError as e:
@@ -88,13 +87,6 @@ class Device:
     @property
     def size(self) -> int:
         return self.geo.data_size
-
-    def _restart(self) -> None:
-        """restart-on-corruption: stop serving; the exit status asks for a restart."""
-        if not self.restart_requested:
-            self.restart_requested = True
-            log("restart-on-corruption: shutting the server down")
-            self.hooks.shutdown()
 
     def stats(self) -> dict:
         """Everything the control socket's `stats` reports."""

@@ -13,35 +13,20 @@ import contextlib
 import json
 import os
 import shutil
-import socket
-import subprocess
 import sys
 import tempfile
-import time
 
 import click
 
-from . import cli_ctl  # its control_request, looked up when called (cli imports us)
-from .cli import EXIT_ERROR, edge, main
-from .config import config_from_pairs, parse_size
-from .dispatch import MAX_REQUEST_SIZE
-from .errors import ConfigError, VerityError
-from .ioprio import CLASSES
-from .procs import stop_process
-from .serve import PLUGIN, nbdkit_command, plugin_environment, plugin_pairs
-from .server import Device
-from .tune import (
-    INLINE,
-    POOL,
-    ClassSweep,
-    Clients,
-    Settings,
-    median_noise,
-    parse_classes,
-    sweep_class,
-)
-
-START_TIMEOUT = 60.0  # seconds for a self-served nbdkit to answer (a busy machine is slow)
+from ..config import parse_size, plugin_pairs
+from ..control import checked_request
+from ..dispatch import INLINE, POOL
+from ..errors import ConfigError, VerityError
+from ..ioprio import CLASSES
+from ..launch import Launched, check_device, nbdkit_command
+from ..limits import MAX_REQUEST_SIZE
+from ..tune import ClassSweep, Clients, Settings, median_noise, parse_classes, sweep_class
+from .common import EXIT_ERROR, edge
 
 
 class TuneError(click.ClickException):
@@ -94,10 +79,7 @@ class Target:
         self.control = control
 
     def request(self, request: dict) -> dict:
-        reply = cli_ctl.control_request(self.control, request)
-        if not reply.get("ok"):
-            raise VerityError(f"server: {reply.get('error', 'unknown error')}")
-        return reply
+        return checked_request(self.control, request)
 
     def table(self) -> dict[str, int]:
         return self.request({"cmd": "thresholds"})["thresholds"]
@@ -123,45 +105,21 @@ class Target:
 def served(data: str, hash_image: str, root_hash: str, workers: int | None,
            threads: int | None):
     """Serve the images with our plugin for the length of the run; stop it by pid."""
-    workdir = tempfile.mkdtemp(prefix="nv-tune-")
+    workdir = tempfile.mkdtemp(prefix="nv-tune-")  # short: sun_path holds 108 bytes
     target = Target(os.path.join(workdir, "nbd.sock"), os.path.join(workdir, "ctl.sock"))
-    extra = {"control": target.control, "workers": workers}
-    pairs = plugin_pairs(data, hash_image, root_hash, None, {}, extra)
-    if not PLUGIN.is_file():
-        raise ConfigError(f"plugin: {PLUGIN} is missing from this installation")
-    Device(config_from_pairs(pairs)).close()  # as serve does: a wrong root hash is one line
+    pairs = plugin_pairs({"data": data, "hash_image": hash_image, "root_hash": root_hash,
+                          "control": target.control, "workers": workers})
+    check_device(pairs)  # as serve does: a wrong root hash is one line
     argv = nbdkit_command(pairs, {"unix": target.socket, "threads": threads,
                                   "exit_with_parent": True})
-    log = open(os.path.join(workdir, "server.log"), "w+b")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                            env=plugin_environment())
+    server = Launched(argv, socket=target.socket, control=target.control,
+                      log_path=os.path.join(workdir, "server.log"))
     try:
-        _wait_ready(proc, target, log)
-        yield target
+        with server.start():
+            yield target
     finally:
-        stop_process(proc, 15)
-        log.close()
+        server.stop()
         shutil.rmtree(workdir, ignore_errors=True)
-
-
-def _wait_ready(proc: subprocess.Popen, target: Target, log) -> None:
-    """Poll until the NBD socket accepts and the control socket answers."""
-    deadline = time.monotonic() + START_TIMEOUT
-    while True:
-        if proc.poll() is not None:
-            log.seek(0)
-            lines = log.read().decode(errors="replace").strip().splitlines()
-            raise VerityError(f"server exited with status {proc.returncode}: "
-                              f"{lines[-1] if lines else 'no message'}")
-        with contextlib.suppress(OSError, VerityError, ValueError):
-            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            with probe:
-                probe.connect(target.socket)
-            target.table()
-            return
-        if time.monotonic() > deadline:
-            raise VerityError(f"server: not ready after {START_TIMEOUT:.0f} s")
-        time.sleep(0.01)  # polling interval: the loop checks both sockets
 
 
 # -- output ---------------------------------------------------------------------------
@@ -294,7 +252,7 @@ def _measure(target: Target, classes, settings: Settings) -> list[ClassSweep]:
     return sweeps
 
 
-@main.command("tune", cls=OneLineCommand)
+@click.command("tune", cls=OneLineCommand)
 @click.argument("images", nargs=-1, metavar="[DATA HASH ROOT_HASH]")
 @click.option("--control", default=None, metavar="PATH", help="A running server's control socket.")
 @click.option("--socket", "nbd_socket", default=None, metavar="PATH",

@@ -1,84 +1,25 @@
-"""The `nbd-verity` command line: format, verify, dump (and serve, ctl, tune later).
+"""`nbd-verity format`, `verify` and `dump`: the offline tree commands.
 
-Each command only turns options into VerityParams (or a server config) and calls the
-library; errors become one line on stderr and a non-zero exit, never a traceback.
+Each command only turns options into VerityParams and calls the library (builder,
+params); errors become one line on stderr and a non-zero exit, never a traceback.
 Options are spelled as veritysetup spells them.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import sys
 
 import click
 
-from . import builder
-from .cli_common import root_digest
-from .digest import parse_salt
-from .errors import ConfigError, VerityError
-from .params import VerityParams, load_params, parse_uuid, random_salt, random_uuid, read_params
-from .superblock import block_size_ok
-
-EXIT_CORRUPT = 1  # verify found corruption
-EXIT_ERROR = 2  # bad input: options, files, formats
-
-
-def fail(message: str, code: int = EXIT_ERROR):
-    click.echo(f"nbd-verity: {message}", err=True)
-    sys.exit(code)
-
-
-def edge(fn):
-    """Translate library errors into one line and an exit status (the CLI's edge)."""
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except VerityError as e:
-            fail(str(e))
-        except OSError as e:
-            fail(f"{e.filename or 'I/O'}: {e.strerror}")
-        except KeyboardInterrupt:
-            fail("interrupted", 130)
-    return wrapper
-
-
-def _geometry_options(fn):
-    """The tree options shared by format, verify and serve (veritysetup's spelling)."""
-    options = [
-        click.option("--hash", "algorithm", default=None, metavar="ALG",
-                     help="Hash algorithm (default sha256)."),
-        click.option("--salt", default=None, metavar="HEX",
-                     help="Salt as hex; '-' for none (default: 32 random bytes)."),
-        click.option("--data-block-size", type=int, default=None, metavar="BYTES",
-                     help="Data block size (default 4096)."),
-        click.option("--hash-block-size", type=int, default=None, metavar="BYTES",
-                     help="Hash block size (default 4096)."),
-        click.option("--data-blocks", type=int, default=None, metavar="N",
-                     help="Number of data blocks (default: the whole data image)."),
-        click.option("--hash-offset", type=int, default=None, metavar="BYTES",
-                     help="Where the superblock/tree starts in the hash image."),
-        click.option("--no-superblock", is_flag=True, help="No superblock on disk."),
-        click.option("--format", "hash_type", type=int, default=None, metavar="0|1",
-                     help="Hash format: 1 normal (default), 0 Chrome OS."),
-    ]
-    for option in reversed(options):
-        fn = option(fn)
-    return fn
-
-
-def _tree_options(kw: dict) -> dict:
-    """Collect the geometry options into load_params' dictionary."""
-    salt = kw.pop("salt")
-    return {
-        "algorithm": kw.pop("algorithm"), "salt": None if salt is None else parse_salt(salt),
-        "data_block_size": kw.pop("data_block_size"),
-        "hash_block_size": kw.pop("hash_block_size"), "data_blocks": kw.pop("data_blocks"),
-        "hash_offset": kw.pop("hash_offset"), "no_superblock": kw.pop("no_superblock"),
-        "hash_type": kw.pop("hash_type"),
-    }
+from .. import builder
+from ..digest import parse_salt
+from ..errors import ConfigError, VerityError
+from ..limits import block_size_problem
+from ..params import VerityParams, load_params, parse_uuid, random_salt, random_uuid, read_params
+from ..roothash import root_digest, root_hash_text
+from .common import EXIT_CORRUPT, TREE_OPTIONS, edge, fail, geometry_options
 
 
 def data_size_of(path: str) -> int:
@@ -89,19 +30,12 @@ def data_size_of(path: str) -> int:
         raise VerityError(f"{path}: {e.strerror}") from None
 
 
-def read_root_hash(root_hash: str | None, root_hash_file: str | None, digest_size: int) -> bytes:
-    """The trusted root digest from the argument or from --root-hash-file."""
-    if root_hash is not None and root_hash_file is not None:
-        raise ConfigError("root-hash: give it as an argument or with --root-hash-file, not both")
-    if root_hash_file is not None:
-        try:
-            with open(root_hash_file) as f:
-                root_hash = f.read().strip()
-        except OSError as e:
-            raise ConfigError(f"root-hash-file: {root_hash_file}: {e.strerror}") from None
-    if root_hash is None:
-        raise ConfigError("root-hash: missing (argument or --root-hash-file)")
-    return root_digest(root_hash, digest_size)
+def tree_options(kw: dict) -> dict:
+    """Take the geometry options out of kw into load_params' dictionary (salt parsed)."""
+    opts = {name: kw.pop(name) for name in TREE_OPTIONS}
+    if opts["salt"] is not None:
+        opts["salt"] = parse_salt(opts["salt"])
+    return opts
 
 
 def print_header(hash_path: str, params: VerityParams, root: bytes | None = None) -> None:
@@ -135,17 +69,10 @@ def progress_bar(total: int, label: str):
         yield bar.update
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"],
-                               "auto_envvar_prefix": "NBD_VERITY"})
-@click.version_option(package_name="nbd-verity")
-def main() -> None:
-    """A verified (dm-verity) block server for NBD, and its tools."""
-
-
-@main.command("format")
+@click.command("format")
 @click.argument("data")
 @click.argument("hash_image", metavar="HASH")
-@_geometry_options
+@geometry_options
 @click.option("--uuid", default=None, help="UUID for the superblock (default: random).")
 @click.option("--root-hash-file", default=None, type=click.Path(dir_okay=False),
               help="Also write the root hash (hex) to this file.")
@@ -153,11 +80,12 @@ def main() -> None:
 def format_cmd(data: str, hash_image: str, uuid: str | None, root_hash_file: str | None,
                **kw) -> None:
     """Build the hash tree of DATA into HASH and print the root hash."""
-    opts = _tree_options(kw)
+    opts = tree_options(kw)
     size = data_size_of(data)
     dbs = _given(opts["data_block_size"], 4096)
-    if not block_size_ok(dbs):  # checked before it divides the data size
-        raise ConfigError(f"data-block-size: {dbs} is not a power of two from 512 to 524288")
+    problem = block_size_problem("data-block-size", dbs)
+    if problem:  # checked before it divides the data size
+        raise ConfigError(problem)
     blocks = opts["data_blocks"] if opts["data_blocks"] is not None else size // dbs
     if opts["data_blocks"] is None and blocks == 0:
         raise ConfigError(f"{data}: {size} bytes, less than one {dbs}-byte data block")
@@ -199,18 +127,19 @@ def _check_overlap(data: str, hash_image: str, params: VerityParams) -> None:
                               f"(which ends at byte {data_end})")
 
 
-@main.command("verify")
+@click.command("verify")
 @click.argument("data")
 @click.argument("hash_image", metavar="HASH")
 @click.argument("root_hash", required=False)
-@_geometry_options
+@geometry_options
 @click.option("--root-hash-file", default=None, help="Read the root hash (hex) from this file.")
 @edge
 def verify_cmd(data: str, hash_image: str, root_hash: str | None,
                root_hash_file: str | None, **kw) -> None:
     """Check every block of DATA against HASH and the trusted ROOT_HASH."""
-    params = load_params(hash_image, _tree_options(kw), data_size_of(data))
-    root = read_root_hash(root_hash, root_hash_file, params.digester().digest_size)
+    params = load_params(hash_image, tree_options(kw), data_size_of(data))
+    root = root_digest(root_hash_text(root_hash, root_hash_file),
+                       params.digester().digest_size)
     size = data_size_of(data)
     if size < params.data_blocks * params.data_block_size:
         raise VerityError(f"{data}: {size} bytes, the tree covers "
@@ -227,7 +156,7 @@ def verify_cmd(data: str, hash_image: str, root_hash: str | None,
     fail(f"verification failed: {report.bad_count} corrupted block(s)", EXIT_CORRUPT)
 
 
-@main.command("dump")
+@click.command("dump")
 @click.argument("hash_image", metavar="HASH")
 @click.option("--hash-offset", type=int, default=0, metavar="BYTES",
               help="Where the superblock sits in the hash image.")
@@ -235,9 +164,3 @@ def verify_cmd(data: str, hash_image: str, root_hash: str | None,
 def dump_cmd(hash_image: str, hash_offset: int) -> None:
     """Print the superblock of HASH as veritysetup dump does."""
     print_header(hash_image, read_params(hash_image, hash_offset))
-
-
-from . import cli_ctl, cli_serve, cli_tune  # noqa: E402,F401  (register `serve`, `ctl`, `tune`)
-
-if __name__ == "__main__":
-    main()

@@ -2,8 +2,9 @@
 
 `nbdkit python /abs/path/plugin.py data=... hash=...` runs them; `nbd-verity serve` points
 nbdkit at this file itself so that an installed package needs no file outside it. Every
-callback is a few lines that delegate to nbd_verity.server and translate errors:
-corruption and I/O errors become EIO via nbdkit.set_error.
+callback is a few lines that delegate to nbd_verity.device and translate errors at this
+edge: corruption and I/O errors become EIO via nbdkit.set_error, and under
+restart-on-corruption a corruption also stops the server (see _restart).
 """
 
 import ctypes
@@ -15,9 +16,11 @@ import traceback
 
 import nbdkit
 
-from nbd_verity import server
+from nbd_verity import device
 from nbd_verity.config import ConfigBuilder
 from nbd_verity.errors import ConfigError, CorruptionError, ImageIOError, VerityError
+from nbd_verity.limits import MAX_REQUEST_SIZE
+from nbd_verity.log import log
 
 API_VERSION = 2
 __all__ = ["API_VERSION", "after_fork", "block_size", "cache", "can_cache", "can_multi_conn",
@@ -25,8 +28,10 @@ __all__ = ["API_VERSION", "after_fork", "block_size", "cache", "can_cache", "can
            "is_rotational", "open", "pread", "thread_model"]
 
 RESTART_GRACE_S = 0.5  # time for the failing request's reply before the process exits
+EXIT_RESTART = 75  # exit status after restart-on-corruption (EX_TEMPFAIL): supervisor restarts
 _builder = ConfigBuilder()
 _device = None
+_restart_requested = threading.Event()
 _format_exception = traceback.format_exception
 
 
@@ -50,12 +55,20 @@ def _peer_pid():
         return -1
 
 
-def _shutdown_for_restart():
-    """restart-on-corruption: ask nbdkit to stop, and make sure the process ends even
-    while clients stay connected (nbdkit waits for them; a kernel /dev/nbdX never hangs
-    up): after a short grace for the failing request's EIO reply, exit with the status
-    that asks the supervisor for a restart."""
+def _restart():
+    """restart-on-corruption, as the kernel's panic-free variant: stop serving, and exit
+    with the status that asks the supervisor for a restart. nbdkit.shutdown() stops new
+    connections; nbdkit.disconnect() (newer nbdkit) also drops this client; and since
+    nbdkit otherwise waits for clients that never hang up (a kernel /dev/nbdX), the
+    process exits after a short grace that lets the failing request's EIO reply go out."""
+    if _restart_requested.is_set():
+        return
+    _restart_requested.set()
+    log("restart-on-corruption: shutting the server down")
     nbdkit.shutdown()
+    disconnect = getattr(nbdkit, "disconnect", None)  # nbdkit >= 1.34
+    if disconnect is not None:
+        disconnect(False)
     timer = threading.Timer(RESTART_GRACE_S, _exit_for_restart)
     timer.daemon = True
     timer.start()
@@ -63,7 +76,7 @@ def _shutdown_for_restart():
 
 def _exit_for_restart():
     sys.stderr.flush()
-    os._exit(server.EXIT_RESTART)
+    os._exit(EXIT_RESTART)
 
 
 def thread_model():
@@ -83,9 +96,8 @@ def config_complete():
 
 def get_ready():
     global _device
-    hooks = server.Hooks(shutdown=_shutdown_for_restart, export_name=nbdkit.export_name,
-                         peer_pid=_peer_pid)
-    _device = server.Device(_config, hooks)
+    hooks = device.Hooks(export_name=nbdkit.export_name, peer_pid=_peer_pid)
+    _device = device.Device(_config, hooks)
 
 
 def after_fork():
@@ -95,13 +107,13 @@ def after_fork():
 def cleanup():
     if _device is not None:
         _device.close()
-        if _device.restart_requested:
+        if _restart_requested.is_set():
             _exit_for_restart()
 
 
 def open(readonly):
     try:
-        return server.Connection.open(_device)
+        return device.Connection.open(_device)
     except ConfigError:  # an unknown class in the export name
         nbdkit.set_error(errno.EINVAL)
         raise
@@ -112,7 +124,7 @@ def get_size(h):
 
 
 def block_size(h):
-    return (1, _device.geo.data_block_size, 32 * 1024 * 1024)
+    return (1, _device.geo.data_block_size, MAX_REQUEST_SIZE)
 
 
 def can_write(h):
@@ -134,7 +146,12 @@ def is_rotational(h):
 def pread(h, buf, offset, flags):
     try:
         h.read(memoryview(buf), offset)
-    except (CorruptionError, ImageIOError):
+    except CorruptionError:
+        nbdkit.set_error(errno.EIO)
+        if _config.mode == "restart-on-corruption":
+            _restart()
+        raise
+    except ImageIOError:
         nbdkit.set_error(errno.EIO)
         raise
 

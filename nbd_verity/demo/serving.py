@@ -1,9 +1,8 @@
-"""`make demo`, continued: serve the image over NBD, tune it live, catch corruption, and
-mount a verified ext4 filesystem through nbdfuse and a read-only loop device.
+"""The demo's serving steps: serve the image over NBD, tune it live, catch corruption,
+and mount a verified ext4 filesystem through nbdfuse and a read-only loop device.
 
-Steps register with demo.step, after demo.py's offline steps. Every process started here
-is ended by its pid, and every mount, loop device and FUSE mount is undone, even when a
-step fails.
+Every server is started and stopped by nbd_verity.launch (by its pid), and every mount,
+loop device and FUSE mount is undone, even when a step fails.
 """
 
 from __future__ import annotations
@@ -17,8 +16,9 @@ import subprocess
 import time
 from pathlib import Path
 
-from .demo import CORRUPT_DATA_BLOCK, StepFailed, Walkthrough, flip_byte, step
-from .procs import stop_process
+from ..errors import VerityError
+from ..launch import Launched
+from .walkthrough import CORRUPT_DATA_BLOCK, StepFailed, Walkthrough, flip_byte
 
 READY_TIMEOUT_S = 30
 
@@ -52,18 +52,6 @@ def wait_until(ready, what: str, timeout: float = READY_TIMEOUT_S) -> None:
         time.sleep(0.05)
 
 
-def _connectable(sock: Path) -> bool:
-    import socket
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        s.connect(str(sock))
-        return True
-    except OSError:
-        return False
-    finally:
-        s.close()
-
-
 @contextlib.contextmanager
 def served(w: Walkthrough, name: str, data: Path, hash_image: Path, root: str):
     """`nbd-verity serve` in the background; yields (nbd socket, control socket)."""
@@ -74,22 +62,15 @@ def served(w: Walkthrough, name: str, data: Path, hash_image: Path, root: str):
     argv = ["serve", data.name, hash_image.name, root, "--unix", sock.name,
             "--control", ctl.name, "--pid-file", pid_file.name]
     w.say(f"$ nbd-verity {' '.join(argv)} &")
-    with open(w.workdir / f"{name}.log", "w") as log, \
-            subprocess.Popen([w.cli, *argv], cwd=w.workdir, stdout=log, stderr=log) as proc:
-        yield from _until_stopped(w, proc, name, sock, pid_file, ctl)
-
-
-def _until_stopped(w: Walkthrough, proc: subprocess.Popen, name: str, sock: Path,
-                   pid_file: Path, ctl: Path):
-    """Wait for the server to serve, yield its sockets, then stop it by its pid."""
+    server = Launched([w.cli, *argv], socket=sock, pid_file=pid_file, control=ctl,
+                      log_path=w.workdir / f"{name}.log", cwd=w.workdir, name="the server")
     try:
-        wait_until(lambda: proc.poll() is not None or (pid_file.exists() and
-                                                       _connectable(sock)), "the server")
-        if proc.poll() is not None:
-            raise StepFailed(f"the server exited: {(w.workdir / f'{name}.log').read_text()}")
+        server.start(timeout=READY_TIMEOUT_S)
+    except VerityError as e:
+        server.stop()
+        raise StepFailed(str(e)) from None
+    with server:  # stopped by its own pid: serve exec'd nbdkit
         yield sock, ctl
-    finally:
-        stop_process(proc)  # its own pid: serve exec'd nbdkit
 
 
 def nbd_connect(sock: Path, export: str = ""):
@@ -100,7 +81,6 @@ def nbd_connect(sock: Path, export: str = ""):
     return h
 
 
-@step
 def serve_and_read_back(w: Walkthrough) -> None:
     """Serve the image over NBD and read it all back with nbdcopy: every byte verified."""
     with served(w, "demo", w.data, w.hash, w.root) as (sock, _ctl):
@@ -119,7 +99,6 @@ def _be_row(w: Walkthrough, ctl: Path) -> dict:
     return json.loads(done.stdout)["stats"]["classes"]["be"]
 
 
-@step
 def live_thresholds(w: Walkthrough) -> None:
     """Move the inline/pool line while serving: a 64 KiB read changes path."""
     with served(w, "demo", w.data, w.hash, w.root) as (sock, ctl):
@@ -138,7 +117,6 @@ def live_thresholds(w: Walkthrough) -> None:
               "(be=65536)")
 
 
-@step
 def serve_corrupted(w: Walkthrough) -> None:
     """Serve a copy with one flipped byte: exactly that block fails with EIO."""
     import nbd
@@ -219,7 +197,6 @@ def make_filesystem(w: Walkthrough) -> tuple[Path, Path, str, bytes]:
     return image, tree, root, payload
 
 
-@step
 def mount_verified_filesystem(w: Walkthrough) -> None:
     """Mount a served ext4 image (nbdfuse + losetup -r), read its files; then corrupt one
     block of a file and watch the read fail with an I/O error and the status go to C."""
@@ -249,3 +226,6 @@ def mount_verified_filesystem(w: Walkthrough) -> None:
                 raise StepFailed("the server's status did not go to C")
     finally:
         corrupt.unlink(missing_ok=True)
+
+
+STEPS = (serve_and_read_back, live_thresholds, serve_corrupted, mount_verified_filesystem)

@@ -1,0 +1,66 @@
+"""What every command shares: exit codes, the error edge, and veritysetup's tree options.
+
+Command modules import this one and the library, never each other or the group in
+main.py, so the CLI has no import circle.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import click
+
+from ..errors import VerityError
+
+EXIT_CORRUPT = 1  # verify found corruption; a control request the server refused
+EXIT_ERROR = 2  # bad input: options, files, formats
+EXIT_INTERRUPTED = 130
+
+
+def fail(message: str, code: int = EXIT_ERROR):
+    click.echo(f"nbd-verity: {message}", err=True)
+    sys.exit(code)
+
+
+def edge(fn):
+    """Translate library errors into one line and an exit status (the CLI's edge)."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except VerityError as e:
+            fail(str(e))
+        except OSError as e:
+            fail(f"{e.filename or 'I/O'}: {e.strerror}")
+        except KeyboardInterrupt:
+            fail("interrupted", EXIT_INTERRUPTED)
+    return wrapper
+
+
+def geometry_options(fn):
+    """The tree options shared by format, verify and serve (veritysetup's spelling)."""
+    options = [
+        click.option("--hash", "algorithm", default=None, metavar="ALG",
+                     help="Hash algorithm (default sha256)."),
+        click.option("--salt", default=None, metavar="HEX",
+                     help="Salt as hex; '-' for none (default: 32 random bytes)."),
+        click.option("--data-block-size", type=int, default=None, metavar="BYTES",
+                     help="Data block size (default 4096)."),
+        click.option("--hash-block-size", type=int, default=None, metavar="BYTES",
+                     help="Hash block size (default 4096)."),
+        click.option("--data-blocks", type=int, default=None, metavar="N",
+                     help="Number of data blocks (default: the whole data image)."),
+        click.option("--hash-offset", type=int, default=None, metavar="BYTES",
+                     help="Where the superblock/tree starts in the hash image."),
+        click.option("--no-superblock", is_flag=True, help="No superblock on disk."),
+        click.option("--format", "hash_type", type=int, default=None, metavar="0|1",
+                     help="Hash format: 1 normal (default), 0 Chrome OS."),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+TREE_OPTIONS = ("algorithm", "salt", "data_block_size", "hash_block_size", "data_blocks",
+                "hash_offset", "no_superblock", "hash_type")

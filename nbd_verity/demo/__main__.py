@@ -1,0 +1,18 @@
+"""python -m nbd_verity.demo WORKDIR: the offline steps, then the serving ones."""
+
+from __future__ import annotations
+
+import sys
+
+from . import offline, serving
+from .walkthrough import run_steps
+
+STEPS = (*offline.STEPS, *serving.STEPS)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_steps(STEPS, sys.argv[1:] if argv is None else argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

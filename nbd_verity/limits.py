@@ -1,0 +1,30 @@
+"""The format's and the server's limits, in one place (as go-dmverity's params.go).
+
+Every module that checks a size against a limit imports it from here; messages quote the
+same numbers. The on-disk limits are veritysetup's [cryptsetup lib/verity/verity.c,
+VERITY_BLOCK_SIZE_OK, VERITY_MAX_LEVELS]; the request limit is what we advertise to nbdkit.
+"""
+
+from __future__ import annotations
+
+MIN_BLOCK_SIZE = 512  # bytes, data and hash blocks alike
+MAX_BLOCK_SIZE = 512 * 1024
+MAX_SALT_SIZE = 256  # bytes: the superblock's salt field
+MAX_LEVELS = 63  # the kernel's DM_VERITY_MAX_LEVELS
+# Offsets and sizes are 64-bit in the format (cryptsetup checks against 2**64), but no file
+# or device can reach past 2**63 - 1.
+MAX_OFFSET = (1 << 63) - 1
+HASH_OFFSET_ALIGN = 512  # --hash-offset must be a multiple of this
+MAX_REQUEST_SIZE = 32 << 20  # the largest NBD read we advertise (block_size maximum)
+
+BLOCK_SIZE_RULE = f"a power of two from {MIN_BLOCK_SIZE} to {MAX_BLOCK_SIZE}"
+
+
+def block_size_ok(size: int) -> bool:
+    """veritysetup's VERITY_BLOCK_SIZE_OK: a power of two from 512 B to 512 KiB."""
+    return MIN_BLOCK_SIZE <= size <= MAX_BLOCK_SIZE and size & (size - 1) == 0
+
+
+def block_size_problem(name: str, size: int) -> str | None:
+    """The message for a bad block size (None when it is fine), the same everywhere."""
+    return None if block_size_ok(size) else f"{name}: {size} is not {BLOCK_SIZE_RULE}"

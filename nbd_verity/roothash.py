@@ -1,0 +1,43 @@
+"""The trusted root hash: parsed from hex text, or read from a file, in one way.
+
+The CLI (`verify`, `serve`) and the plugin keys (`root-hash`, `root-hash-file`) both come
+here, so a root hash given either way is read and checked the same.
+"""
+
+from __future__ import annotations
+
+from .errors import ConfigError
+
+
+def root_digest(text: str, digest_size: int) -> bytes:
+    """A root hash given as hex, checked against the algorithm's digest size."""
+    try:
+        root = bytes.fromhex(text.strip())
+    except ValueError:
+        raise ConfigError(f"root-hash: {text!r} is not a hex string") from None
+    if len(root) != digest_size:
+        raise ConfigError(f"root-hash: {len(root)} bytes, the algorithm's digest is "
+                          f"{digest_size} bytes")
+    return root
+
+
+def read_root_hash_file(path: str) -> str:
+    """The hex text of a root hash file (surrounding white space dropped)."""
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError as e:
+        raise ConfigError(f"root-hash-file: {path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"root-hash-file: {path}: not a text file") from None
+
+
+def root_hash_text(root_hash: str | None, root_hash_file: str | None) -> str:
+    """The root hash's hex text from exactly one of the two ways of giving it."""
+    if root_hash is not None and root_hash_file is not None:
+        raise ConfigError("root-hash: give it directly or with root-hash-file, not both")
+    if root_hash_file is not None:
+        return read_root_hash_file(root_hash_file)
+    if root_hash is None:
+        raise ConfigError("root-hash: missing (give a root hash or a root-hash-file)")
+    return root_hash.strip()
