@@ -124,6 +124,23 @@ def stop_process(proc: subprocess.Popen, timeout: float = STOP_TIMEOUT) -> int |
     return proc.returncode
 
 
+def run_to_end(argv: Sequence, timeout: float = 60.0, env: Mapping | None = None,
+               **popen) -> subprocess.CompletedProcess:
+    """Run a command that must end by itself (a refusal to start, a client), capturing its
+    text output; if it is still running after timeout, kill it by pid and raise."""
+    argv = [os.fspath(a) for a in argv]
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            env=plugin_environment(env), **popen)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        raise LaunchError(f"{argv[0]}: still running after {timeout:.0f} s:\n{err}") from None
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
 def accepts(path: str | os.PathLike) -> bool:
     """Whether a Unix socket accepts a connection now."""
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

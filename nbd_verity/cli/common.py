@@ -64,3 +64,17 @@ def geometry_options(fn):
 
 TREE_OPTIONS = ("algorithm", "salt", "data_block_size", "hash_block_size", "data_blocks",
                 "hash_offset", "no_superblock", "hash_type")
+
+
+def image_arguments(fn):
+    """DATA HASH [ROOT_HASH], the tree options and --root-hash-file: what names a verity
+    device to check or serve (verify, serve)."""
+    for decorator in reversed((
+            click.argument("data"),
+            click.argument("hash_image", metavar="HASH"),
+            click.argument("root_hash", required=False),
+            geometry_options,
+            click.option("--root-hash-file", default=None,
+                         help="Read the root hash (hex) from this file."))):
+        fn = decorator(fn)
+    return fn

@@ -8,15 +8,11 @@ from __future__ import annotations
 
 import click
 
-from .common import edge, geometry_options
+from .common import edge, image_arguments
 
 
 @click.command("serve")
-@click.argument("data")
-@click.argument("hash_image", metavar="HASH")
-@click.argument("root_hash", required=False)
-@geometry_options
-@click.option("--root-hash-file", default=None, help="Read the root hash (hex) from this file.")
+@image_arguments
 @click.option("--unix", default=None, metavar="PATH", help="Listen on this Unix socket.")
 @click.option("--port", type=click.IntRange(0, 65535), default=None, help="Listen on TCP port.")
 @click.option("--bind", default=None, metavar="ADDR", help="TCP address (default 127.0.0.1).")

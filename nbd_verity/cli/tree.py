@@ -19,7 +19,7 @@ from ..errors import ConfigError, VerityError
 from ..limits import block_size_problem
 from ..params import VerityParams, load_params, parse_uuid, random_salt, random_uuid, read_params
 from ..roothash import root_digest, root_hash_text
-from .common import EXIT_CORRUPT, TREE_OPTIONS, edge, fail, geometry_options
+from .common import EXIT_CORRUPT, TREE_OPTIONS, edge, fail, geometry_options, image_arguments
 
 
 def data_size_of(path: str) -> int:
@@ -128,11 +128,7 @@ def _check_overlap(data: str, hash_image: str, params: VerityParams) -> None:
 
 
 @click.command("verify")
-@click.argument("data")
-@click.argument("hash_image", metavar="HASH")
-@click.argument("root_hash", required=False)
-@geometry_options
-@click.option("--root-hash-file", default=None, help="Read the root hash (hex) from this file.")
+@image_arguments
 @edge
 def verify_cmd(data: str, hash_image: str, root_hash: str | None,
                root_hash_file: str | None, **kw) -> None:

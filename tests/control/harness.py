@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -23,7 +22,7 @@ import nbd
 
 from nbd_verity.control import exchange  # noqa: F401  (the tests send raw lines with it)
 from nbd_verity.control import request as control_request
-from nbd_verity.launch import Launched
+from nbd_verity.launch import Launched, run_to_end
 
 PROJECT = Path(__file__).resolve().parents[2]
 NBD_VERITY = str(Path(sys.executable).parent / "nbd-verity")
@@ -174,16 +173,7 @@ class Servers:
 
 def run(argv: list, timeout: float = 60.0, **kwargs) -> subprocess.CompletedProcess:
     """Run a command that must end by itself; killed by pid (and failed) if it does not."""
-    proc = subprocess.Popen([str(a) for a in argv], stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            **kwargs)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.kill(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        raise AssertionError(f"{argv} did not finish in {timeout} s:\n{err}") from None
-    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+    return run_to_end(argv, timeout, **kwargs)
 
 
 def ctl(control, *args: str) -> subprocess.CompletedProcess:

@@ -15,11 +15,9 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
-import os
 import random
 import re
 import shutil
-import signal
 import socket
 import struct
 import subprocess
@@ -30,7 +28,7 @@ import nbd
 import pytest
 
 from nbd_verity.control import checked_request
-from nbd_verity.launch import Launched, plugin_environment
+from nbd_verity.launch import Launched, run_to_end
 
 PROJECT = Path(__file__).resolve().parents[2]
 PLUGIN = PROJECT / "plugin.py"
@@ -265,16 +263,8 @@ class Server(Launched):
 
 
 def run_refusal(argv: list[str], timeout: float = 30.0) -> subprocess.CompletedProcess:
-    """Run a server command that must refuse to start; kill it by pid if it does not."""
-    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=plugin_environment())
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.kill(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        raise AssertionError(f"{argv[0]} kept running instead of refusing:\n{err}") from None
-    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+    """Run a server command that must refuse to start; killed by pid if it does not."""
+    return run_to_end(argv, timeout)
 
 
 # -- a raw NBD client, for what libnbd will not do (drop a connection mid-request) -----
