@@ -15,6 +15,7 @@ import pytest
 from pki import ROOT_HEX, make_expired_identity, make_identity, openssl, smime_sign
 
 from nbd_verity.errors import ConfigError, NoTrustedCertificates, SidecarError, SignatureError
+from nbd_verity.rootsource import resolve_root
 from nbd_verity.sidecar import (
     auxiliary_path,
     find_sidecars,
@@ -355,3 +356,62 @@ def test_openssl_fingerprint_matches_ours(ids):
     assert "ec-signer" in out.stdout.decode()
     assert load_trusted_certs(str(ids["ec"].cert)).certs[0].fingerprint == \
         ids["ec"].fingerprint()
+
+
+# -- resolve_root: the one entry point for the server and the CLI
+
+def _sidecar_image(tmp_path, ids, signature=True):
+    image = tmp_path / "disk.raw"
+    image.write_bytes(b"")
+    (tmp_path / "disk.roothash").write_text(ROOT_HEX + "\n")
+    (tmp_path / "disk.verity").write_bytes(b"")
+    if signature:
+        (tmp_path / "disk.roothash.p7s").write_bytes(_sig(ids["rsa"]))
+    return str(image)
+
+
+def test_resolve_from_sidecars_signed(ids, tmp_path):
+    root = resolve_root(_sidecar_image(tmp_path, ids), trusted_certs=str(ids["rsa"].cert),
+                        require_signatures=True, xattr=None)
+    assert root.hash_image == str(tmp_path / "disk.verity") and root.root_hex == ROOT_HEX
+    assert root.describe().startswith(f"root hash {ROOT_HEX} signed by CN=rsa-signer")
+    assert root.status()["fingerprint"] == ids["rsa"].fingerprint()
+
+
+def test_resolve_refuses_unsigned_under_require_signatures(ids, tmp_path):
+    image = _sidecar_image(tmp_path, ids, signature=False)
+    assert not resolve_root(image, xattr=None).status()["signed"]
+    with pytest.raises(SignatureError, match="require-signatures: the root hash is not signed"):
+        resolve_root(image, require_signatures=True, xattr=None)
+
+
+def test_resolve_refuses_a_wrong_signature_even_without_require(ids, tmp_path):
+    with pytest.raises(SignatureError, match="not a trusted certificate"):
+        resolve_root(_sidecar_image(tmp_path, ids), trusted_certs=str(ids["other"].cert),
+                     xattr=None)
+
+
+def test_resolve_given_root_hash_wins_and_verity_sig_must_agree(ids, tmp_path):
+    image = _sidecar_image(tmp_path, ids)
+    vsig = tmp_path / "verity.sig"
+    vsig.write_bytes(_verity_sig(rootHash=ROOT_HEX,
+                                 signature=base64.b64encode(_sig(ids["ec"])).decode()))
+    root = resolve_root(image, root_hash=ROOT_HEX.upper(), signature_path=str(vsig),
+                        trusted_certs=str(ids["ec"].cert), xattr=None)
+    assert root.root_hash_source == "given" and root.signature_source == str(vsig)
+    with pytest.raises(SignatureError, match="is for root hash"):
+        resolve_root(image, root_hash="ab" * 32, signature_path=str(vsig), xattr=None)
+
+
+def test_resolve_expired_signer_is_a_warning(ids, tmp_path):
+    image = _sidecar_image(tmp_path, ids)
+    (tmp_path / "disk.roothash.p7s").write_bytes(_sig(ids["expired"]))
+    root = resolve_root(image, trusted_certs=str(ids["expired"].cert), xattr=None)
+    assert root.signature and "is not valid now (until 2020-01-01)" in root.warnings[0]
+
+
+def test_resolve_missing_pieces(tmp_path):
+    with pytest.raises(ConfigError, match=r"hash: missing .*disk\.verity"):
+        resolve_root(str(tmp_path / "disk.raw"), root_hash=ROOT_HEX, xattr=None)
+    with pytest.raises(ConfigError, match=r"root-hash: missing .*disk\.roothash"):
+        resolve_root(str(tmp_path / "disk.raw"), hash_image="h", xattr=None)
