@@ -2,6 +2,9 @@
 
     VerityError                 anything nbd-verity refuses, with a one-line message
      ├── ConfigError            a bad option, plugin key or control value ("KEY: problem")
+     │    ├── SidecarError      a malformed IMAGE.roothash, IMAGE.roothash.p7s or verity.sig
+     │    └── SignatureError    a root-hash signature we refuse (malformed, untrusted, mismatch)
+     │         └── NoTrustedCertificates   no certificate to check a signature against
      ├── FormatError            an image that is not a valid verity layout
      │    └── SuperblockError   a superblock defect (magic, version, hash type, sizes)
      ├── ImageIOError           an image that cannot be opened or read (missing, truncated)
@@ -20,6 +23,19 @@ class VerityError(Exception):
 
 class ConfigError(VerityError):
     """An option, plugin key or control value that is missing or malformed."""
+
+
+class SidecarError(ConfigError):
+    """A file found beside an image (root hash, signature, verity.sig) that is malformed."""
+
+
+class SignatureError(ConfigError):
+    """A root-hash signature that is malformed, not from a trusted signer, or not over the
+    root hash: always a refusal to start, never a warning."""
+
+
+class NoTrustedCertificates(SignatureError):
+    """No trusted certificate was found where we looked, so no signature can be accepted."""
 
 
 class FormatError(VerityError):

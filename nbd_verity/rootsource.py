@@ -1,0 +1,98 @@
+"""Where the trusted root comes from: given, found beside the image, and signed or not.
+
+One function, resolve_root(), is meant for both front ends (the plugin's start-up and the
+CLI's `serve`/`verify`), so a root hash is found and its signature checked the same way
+everywhere. Given values win over found ones, as in systemd's verity_settings_load()
+("only fill in what isn't already filled in"). The root hash's length against the
+algorithm is checked later, by the caller that knows the algorithm.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import ConfigError, SignatureError
+from .sidecar import (
+    exists_local,
+    find_sidecars,
+    parse_hex,
+    read_local,
+    read_signature_file,
+    xattr_local,
+)
+from .signature import VerifiedSignature, check_root_hash_signature
+from .trust import DEFAULT_SEARCH_PATH, load_trusted_certs
+
+
+@dataclass(frozen=True)
+class TrustedRoot:
+    """The root hash to serve, the hash image, and what vouches for the root hash."""
+
+    hash_image: str
+    root_hex: str
+    root_hash_source: str  # "given", or the file / xattr it was read from
+    signature: VerifiedSignature | None = None
+    signature_source: str | None = None
+    warnings: tuple[str, ...] = ()  # trusted-certificate files skipped, expired signer
+
+    def describe(self) -> str:
+        """The start-up line's trust part."""
+        if self.signature is None:
+            return f"root hash {self.root_hex} unsigned ({self.root_hash_source})"
+        return (f"root hash {self.root_hex} signed by {self.signature.signer.describe()} "
+                f"({self.signature_source})")
+
+    def status(self) -> dict:
+        """The `signature` object of `ctl status` and `stats`."""
+        if self.signature is None:
+            return {"signed": False, "root_hash_source": self.root_hash_source}
+        signer = self.signature.signer
+        return {"signed": True, "root_hash_source": self.root_hash_source,
+                "signature": self.signature_source, "subject": signer.subject,
+                "fingerprint": signer.fingerprint, "certificate": signer.path,
+                "not_after": signer.not_valid_after.isoformat(), "expired": signer.expired()}
+
+
+def resolve_root(data: str, hash_image: str | None = None, root_hash: str | None = None,
+                 signature_path: str | None = None, trusted_certs: str | None = None,
+                 require_signatures: bool = False, search_path=DEFAULT_SEARCH_PATH,
+                 read=read_local, exists=exists_local, xattr=xattr_local) -> TrustedRoot:
+    """Fill in what was not given from DATA's sidecars, then check the signature, if any:
+    a present signature must verify; with REQUIRE_SIGNATURES one must be present."""
+    found = find_sidecars(data, read, exists, xattr, root_hash_given=root_hash is not None)
+    source = "given"
+    if root_hash is not None:
+        root_hash = parse_hex(root_hash, "root-hash", "root hash")
+    elif found.root_hash is not None:
+        root_hash, source = found.root_hash, found.root_hash_source
+    der, sig_source, fingerprint = found.signature, found.signature_path, None
+    if signature_path is not None:
+        der, verity_sig = read_signature_file(signature_path, read)
+        sig_source = signature_path
+        if verity_sig is not None:
+            fingerprint = verity_sig.certificate_fingerprint
+            if root_hash is None:
+                root_hash, source = verity_sig.root_hash, signature_path
+            elif root_hash != verity_sig.root_hash:
+                raise SignatureError(f"root-hash-signature: {signature_path} is for root hash "
+                                     f"{verity_sig.root_hash}, not {root_hash}")
+    hash_image = hash_image or found.hash_image
+    if hash_image is None:
+        raise ConfigError(f"hash: missing (give the hash image, or put "
+                          f"{data.removesuffix('.raw')}.verity beside the image)")
+    if root_hash is None:
+        raise ConfigError(f"root-hash: missing (give it, or put "
+                          f"{data.removesuffix('.raw')}.roothash beside the image)")
+    if der is None:
+        if require_signatures:
+            raise SignatureError("require-signatures: the root hash is not signed (give "
+                                 "root-hash-signature, or put IMAGE.roothash.p7s beside it)")
+        return TrustedRoot(hash_image, root_hash, source)
+    trust = load_trusted_certs(trusted_certs, search_path)
+    verified = check_root_hash_signature(root_hash, der, trust, fingerprint)
+    warnings = [f"trusted-certs: skipped {reason}" for reason in trust.skipped]
+    if verified.signer.expired():
+        warnings.append(f"root-hash-signature: certificate {verified.signer.subject} is not "
+                        f"valid now (until {verified.signer.not_valid_after:%Y-%m-%d}); "
+                        f"accepted, as systemd and the kernel accept it")
+    return TrustedRoot(hash_image, root_hash, source, verified, sig_source, tuple(warnings))
