@@ -25,10 +25,10 @@ from pki import (
 )
 
 from nbd_verity.errors import SignatureError
-from nbd_verity.sidecar import parse_root_hash_text
-from nbd_verity.signature import check_root_hash_signature, verify_detached
-from nbd_verity.signing import sign_root_hash
-from nbd_verity.trust import load_trusted_certs
+from nbd_verity.trust.certs import load_trusted_certs
+from nbd_verity.trust.sidecar import parse_root_hash_text
+from nbd_verity.trust.signature import check_root_hash_signature, verify_detached
+from nbd_verity.trust.signing import sign_root_hash
 
 
 @pytest.fixture(scope="module")

@@ -15,17 +15,17 @@ import pytest
 from pki import ROOT_HEX, make_expired_identity, make_identity, openssl, smime_sign
 
 from nbd_verity.errors import ConfigError, NoTrustedCertificates, SidecarError, SignatureError
-from nbd_verity.rootsource import resolve_root
-from nbd_verity.sidecar import (
+from nbd_verity.trust.certs import certificate_files, load_trusted_certs
+from nbd_verity.trust.root import resolve_root
+from nbd_verity.trust.sidecar import (
     auxiliary_path,
     find_sidecars,
     parse_root_hash_text,
     parse_verity_sig,
     read_signature_file,
 )
-from nbd_verity.signature import check_root_hash_signature, signed_content, verify_detached
-from nbd_verity.signing import sign_root_hash
-from nbd_verity.trust import certificate_files, load_trusted_certs
+from nbd_verity.trust.signature import check_root_hash_signature, signed_content, verify_detached
+from nbd_verity.trust.signing import sign_root_hash
 
 
 @pytest.fixture(scope="module")

@@ -34,8 +34,8 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa
 
-from .errors import SignatureError
-from .trust import TrustedCert, TrustStore
+from ..errors import SignatureError
+from .certs import TrustedCert, TrustStore
 
 HASHES = {"sha224": hashes.SHA224, "sha256": hashes.SHA256, "sha384": hashes.SHA384,
           "sha512": hashes.SHA512}

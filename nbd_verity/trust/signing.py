@@ -14,9 +14,9 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.hazmat.primitives.serialization import pkcs7
 
-from .errors import SignatureError
+from ..errors import SignatureError
+from .certs import TrustStore, parse_pem_certificates
 from .signature import HASHES, signed_content, verify_detached
-from .trust import TrustStore, parse_pem_certificates
 
 
 def _read(path: str, what: str) -> bytes:

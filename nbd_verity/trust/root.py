@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import ConfigError, SignatureError
+from ..errors import ConfigError, SignatureError
+from .certs import DEFAULT_SEARCH_PATH, load_trusted_certs
 from .sidecar import (
     exists_local,
     find_sidecars,
@@ -21,7 +22,6 @@ from .sidecar import (
     xattr_local,
 )
 from .signature import VerifiedSignature, check_root_hash_signature
-from .trust import DEFAULT_SEARCH_PATH, load_trusted_certs
 
 
 @dataclass(frozen=True)

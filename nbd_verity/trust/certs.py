@@ -26,7 +26,7 @@ from asn1crypto import pem
 from asn1crypto import x509 as asn1_x509
 from cryptography import x509
 
-from .errors import NoTrustedCertificates, SignatureError
+from ..errors import NoTrustedCertificates, SignatureError
 
 # systemd's CONF_PATHS_NULSTR("verity.d"), in priority order
 DEFAULT_SEARCH_PATH = ("/etc/verity.d", "/run/verity.d", "/usr/local/lib/verity.d",

@@ -32,7 +32,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .errors import SidecarError
+from ..errors import SidecarError
 
 MAX_SIDECAR_SIZE = 4 << 20  # systemd refuses a verity signature partition larger than 4 MiB
 MIN_ROOT_HASH_SIZE = 16  # systemd: shorter than an sd_id128_t is not a root hash
