@@ -6,7 +6,8 @@ kept in the HashBlockCache and never re-read (no check/use gap). A data block is
 straight into the buffer that will be sent, hashed there, and compared with its slot in
 a verified level-0 block [kernel verity_hash_for_block, verity_verify_io]. On a data
 mismatch the block is re-read once into a private buffer (the kernel's verity_recheck)
-before it counts as corrupt. What happens next depends on the error mode (SPEC §2.6).
+before it counts as corrupt. What happens next depends on the error mode
+(docs/server.md, "Error modes").
 Merkle readahead (fs-verity) fetches many level-0 blocks in one read and verifies them.
 """
 
@@ -27,7 +28,7 @@ MAX_LOGGED_ERRORS = 100  # the kernel's DM_VERITY_MAX_CORRUPTED_ERRS
 
 @dataclass(frozen=True)
 class VerifyOptions:
-    """dm-verity's optional behaviours (SPEC §2.1)."""
+    """dm-verity's optional behaviours (the kernel's table arguments; docs/server.md)."""
 
     mode: str = "eio"
     ignore_zero_blocks: bool = False

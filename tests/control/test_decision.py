@@ -25,7 +25,7 @@ DECISIONS = {
     "default": ((4096, 4096, 4096, 4096), {
         "none": "IIIPPPPPPP", "rt": "IIIPPPPPPP", "be": "IIIPPPPPPP", "idle": "IIIPPPPPPP"}),
     "kernel": ((8192, 8192, 8192, 0), {
-        # idle 0: no request is 0 bytes, so idle never goes inline (SPEC §2.4)
+        # idle 0: no request is 0 bytes, so idle never goes inline (0: all to the pool)
         "none": "IIIIIIPPPP", "rt": "IIIIIIPPPP", "be": "IIIIIIPPPP", "idle": "PPPPPPPPPP"}),
     "mixed": ((0, MAX, 65536, 1), {
         "none": "PPPPPPPPPP", "rt": "IIIIIIIIII", "be": "IIIIIIIIPP", "idle": "IPPPPPPPPP"}),

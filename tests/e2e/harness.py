@@ -1,7 +1,7 @@
 """Real-kernel harness: NBD servers in a private network namespace, a user-mode-linux guest.
 
 The host's kernel has neither the `nbd` driver nor device-mapper; the UML guest kernel has
-both (see shared/REAL-DEVICE.md). One run looks like this:
+both (tests/e2e/README.md). One run looks like this:
 
     private netns (unshare -n, only lo)
     ├── NBD server(s) on 127.0.0.1:PORT (nbd-verity serve, or nbdkit file as a baseline)

@@ -1,4 +1,5 @@
-"""Corruption fails exactly the requests that cover it; the error modes of SPEC §2.1/§2.6.
+"""Corruption fails exactly the requests that cover it; the kernel's dm-verity error
+modes (docs/server.md).
 
 Every test damages a private copy of a shared image (image.copy), never the image itself.
 """
@@ -150,7 +151,7 @@ def zero_image(tmp_path_factory):
 @pytest.mark.parametrize("ignore_zero_blocks", [True, False])
 def test_ignore_zero_blocks_returns_zeros_without_hashing(zero_image, servers, tmp_path,
                                                           ignore_zero_blocks):
-    """SPEC §2.1: a block whose verified wanted digest is the zero block's digest reads as
+    """ignore_zero_blocks: a block whose verified wanted digest is the zero block's digest reads as
     zeros, unhashed; so a zero block damaged on disk still reads as zeros."""
     image = zero_image.copy(tmp_path)
     dbs = image.data_block_size

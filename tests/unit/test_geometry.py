@@ -1,4 +1,5 @@
-"""Tree geometry: levels, their places on disk, and where each digest lives (SPEC §1.2)."""
+"""Tree geometry: levels, their places on disk, and where each digest lives
+(cryptsetup's hash_levels)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ def geometry(data_blocks, dbs=4096, hbs=4096, digest_size=32, slot_size=32, star
 
 
 def test_spec_example_3mib_4096_512_sha256():
-    # SPEC §1.2: 3 MiB, dbs 4096, hbs 512, sha256 → N = 768, hpb = 16, sizes [48, 3, 1]
+    # hash_levels: 3 MiB, dbs 4096, hbs 512, sha256 → N = 768, hpb = 16, sizes [48, 3, 1]
     # starting at [5, 2, 1]; the file is 53 * 512 bytes; veritysetup says "Hash blocks: 52".
     params = VerityParams(data_blocks=(3 << 20) // 4096, data_block_size=4096,
                           hash_block_size=512, algorithm="sha256")
@@ -30,7 +31,7 @@ def test_spec_example_3mib_4096_512_sha256():
 
 
 @pytest.mark.parametrize(("hash_offset", "hbs", "superblock", "start"), [
-    (0, 512, True, 1),          # SPEC §1.1 table
+    (0, 512, True, 1),          # veritysetup's VERITY_hash_offset_block
     (8192, 1024, True, 9),
     (1536, 4096, True, 1),      # byte 4096: the superblock ends at 2048, rounded up
     (0, 4096, False, 0),
@@ -54,7 +55,7 @@ def test_single_data_block_has_no_levels():
 
 
 @pytest.mark.parametrize(("digest_size", "hbs", "hpb"), [
-    (20, 512, 16),   # sha1: 25 would fit, but the count is a power of two (SPEC §1.2)
+    (20, 512, 16),   # sha1: 25 would fit, but the count is a power of two (as hash_levels)
     (32, 512, 16),
     (32, 4096, 128),
     (64, 512, 8),

@@ -1,6 +1,7 @@
 """Property-based tests over random geometries and contents (hypothesis).
 
-1. The tree we build equals an independent, deliberately naive model of SPEC §1.2.
+1. The tree we build equals an independent, deliberately naive model of
+   cryptsetup's tree layout (hash_levels).
 2. Flipping any single byte of any data block or of any hash block makes `verify` exit 1
    and name exactly that block: "data block N is corrupted" or "metadata block N is
    corrupted (level L)", N being the absolute block number in the hash image.
