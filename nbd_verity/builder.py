@@ -22,7 +22,7 @@ import os
 import signal
 import struct
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
@@ -187,7 +187,8 @@ def level_slot_chunks(hashes: ImageFile, geo: TreeGeometry, level: int,
 
 
 def walk_level(hashes: ImageFile, geo: TreeGeometry, level: int,
-               slot_chunks: Iterator[tuple[int, bytes]], check: LevelCheck | None = None) -> None:
+               slot_chunks: Generator[tuple[int, bytes], None, None],
+               check: LevelCheck | None = None) -> None:
     """One pass of cryptsetup's create_or_verify: pack the slots of the level below (the
     data blocks for level 0), in order, into the hash blocks of level, and write those
     (format: hashes is a HashImageWriter) or, given a check, compare them with the blocks
@@ -326,7 +327,7 @@ class LevelCheck:
 
     def _distrust(self, first_child: int, count: int) -> None:
         if self.children_untrusted is not None:
-            self.children_untrusted[first_child:first_child + count] = bytes([1]) * count
+            self.children_untrusted[first_child:first_child + count] = b"\x01" * count
 
 
 def verify_image(data_path: str, hash_path: str, params: VerityParams, root: bytes,
