@@ -177,13 +177,14 @@ def sweep(image: Path, reps: int, quiet_wait: float) -> str:
     sys.path.insert(0, str(REPO))
     from nbd_verity import builder
     from nbd_verity.params import VerityParams
+    from nbd_verity.source import ImageFile
 
     size = image.stat().st_size
     params = VerityParams(data_blocks=size // 4096, salt=bytes.fromhex(SALT)).check()
     geo, digester = params.geometry(), params.digester()
     default = builder.WINDOW_SIZE
     times: dict[tuple, list[Timing]] = {row: [] for row in SWEEP}
-    fd = os.open(image, os.O_RDONLY)
+    data = ImageFile(str(image), "data")
     try:
         for _ in range(reps):
             for row in SWEEP:
@@ -191,12 +192,12 @@ def sweep(image: Path, reps: int, quiet_wait: float) -> str:
                 wait_until_quiet(quiet_wait)
                 builder.WINDOW_SIZE = row[0] << 20
                 cpu0, start = own_and_children_cpu(), time.perf_counter()
-                for _ in builder.data_slot_chunks(fd, geo, digester, workers=row[1]):
+                for _ in builder.data_slot_chunks(data, geo, digester, workers=row[1]):
                     pass
                 times[row].append(Timing(time.perf_counter() - start,
                                          own_and_children_cpu() - cpu0))
     finally:
-        os.close(fd)
+        data.close()
         builder.WINDOW_SIZE = default
     lines = ["| window MiB | processes | wall s (median) | wall s (min) | CPU s | GB/s |",
              "|---:|---:|---:|---:|---:|---:|"]

@@ -1,21 +1,28 @@
 """Build a verity tree (`format`) and check a whole image offline (`verify`).
 
+One tree walk serves both, as cryptsetup's create_or_verify (lib/verity/verity_hash.c):
+walk_level packs the slots of one level (the data for level 0) into the hash blocks of
+the level above and writes them (format) or compares them with the disk (verify).
+Format walks data → level 0, then level 1 .. top, then takes the root; verify makes the
+same passes in compare mode from the root down, the data last, so that each block is
+judged only under trusted ones.
+
 Both stream: the data is mapped window by window and hashed by one process per CPU
 (this one and forked workers, see data_slot_chunks); upper levels are read back from the
 hash image level by level. Memory depends on the window size, not on the image size.
-The data image is only ever opened read-only.
+All I/O goes through nbd_verity.source: the data image is only ever opened read-only
+(ImageFile), the hash image for writing only by format (HashImageWriter).
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
-import mmap
 import os
 import signal
 import struct
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
@@ -23,54 +30,19 @@ from .digest import Digester
 from .errors import CorruptionError, DataCorruption, HashCorruption, ImageIOError
 from .geometry import TreeGeometry
 from .params import VerityParams
+from .source import HashImageWriter, ImageFile
 from .superblock import SUPERBLOCK_SIZE
 
 SB_WRITE_BLOCK = 4096  # veritysetup's largest superblock write for a file (see below)
 CHUNK_SIZE = 8 << 20  # bytes of hash image per read when walking a level
 WINDOW_SIZE = 32 << 20  # bytes of data one worker maps and hashes at a time
 PIPE_SIZE = 1 << 20  # a worker's pipe holds the slots of a few windows
-_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux: fault the window in at once
 Progress = Callable[[int], None]  # called with bytes of data just processed
 
 
-def pread_exact(fd: int, size: int, offset: int, what: str) -> bytes:
-    """Read exactly size bytes or raise ImageIOError naming the image (what)."""
-    chunks = []
-    got = 0
-    while got < size:
-        try:
-            buf = os.pread(fd, size - got, offset + got)
-        except OSError as e:
-            raise ImageIOError(f"{what}: {e.strerror} (reading at byte {offset + got})") from None
-        if not buf:
-            raise ImageIOError(f"{what}: image ends at byte {offset + got}, {offset + size} needed")
-        chunks.append(buf)
-        got += len(buf)
-    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-
-
-def pwrite_all(fd: int, buf: bytes, offset: int, what: str) -> None:
-    """Write all of buf at offset or raise ImageIOError naming the image (what)."""
-    view = memoryview(buf)
-    while view:
-        try:
-            done = os.pwrite(fd, view, offset)
-        except OSError as e:
-            raise ImageIOError(f"{what}: {e.strerror} (writing at byte {offset})") from None
-        view, offset = view[done:], offset + done
-
-
-def open_ro(path: str) -> int:
-    """Open an image read-only; the only way builder opens a data image."""
-    try:
-        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError as e:
-        raise ImageIOError(f"{path}: {e.strerror}") from None
-
-
-def data_slot_chunks(fd: int, geo: TreeGeometry, digester: Digester,
-                     progress: Progress | None = None, workers: int | None = None,
-                     what: str = "data") -> Iterator[tuple[int, bytes]]:
+def data_slot_chunks(data: ImageFile, geo: TreeGeometry, digester: Digester,
+                     progress: Progress | None = None,
+                     workers: int | None = None) -> Iterator[tuple[int, bytes]]:
     """Yield (first data block, concatenated slots) for all data blocks, in order.
 
     Window i is hashed by worker i % workers: worker 0 is this process, the others are
@@ -81,7 +53,7 @@ def data_slot_chunks(fd: int, geo: TreeGeometry, digester: Digester,
     threads, 0.42 s and 0.82 s with two processes). We fork only while no other
     thread runs; otherwise, or for a single window, this process hashes everything.
     """
-    reader = WindowReader(fd, geo, what)
+    reader = WindowReader(data, geo)
     per_window = max(WINDOW_SIZE, geo.data_block_size) // geo.data_block_size
     windows = [(start, min(per_window, geo.data_blocks - start))  # (first block, count)
                for start in range(0, geo.data_blocks, per_window)]
@@ -96,7 +68,7 @@ def data_slot_chunks(fd: int, geo: TreeGeometry, digester: Digester,
             if k == 0:
                 slots = digester.slots_of(reader.view(start, count), geo.data_block_size)
             else:
-                slots = _receive(children[k - 1][1], what)
+                slots = _receive(children[k - 1][1], data.path)
             if progress:
                 progress(count * geo.data_block_size)
             yield start, slots
@@ -121,32 +93,23 @@ def _may_fork() -> bool:
 
 
 class WindowReader:
-    """The data image as windows of whole blocks, each mapped rather than read.
+    """The data image as windows of whole blocks (ImageFile.window: mapped if it can be).
 
-    Hashing a mapped window (MAP_POPULATE) reads the page cache directly and saves
-    copying every byte once (about 10% of format's CPU here); an image that cannot be
-    mapped is read instead. The image must not shrink while mapped (SIGBUS), so its size
-    is checked first; veritysetup gives wrong results in that case anyway.
+    A mapped image must not shrink (SIGBUS), so its size is checked first; veritysetup
+    gives wrong results in that case anyway.
     """
 
-    def __init__(self, fd: int, geo: TreeGeometry, what: str) -> None:
-        size = os.lseek(fd, 0, os.SEEK_END)  # st_size is 0 for a block device
+    def __init__(self, image: ImageFile, geo: TreeGeometry) -> None:
+        size = image.end()
         if size < geo.data_size:
-            raise ImageIOError(f"{what}: image ends at byte {size}, {geo.data_size} needed")
-        self.fd, self.geo, self.what = fd, geo, what
-        self.use_mmap = True
+            raise ImageIOError(f"{image.path}: image ends at byte {size}, "
+                               f"{geo.data_size} needed")
+        self.image, self.geo = image, geo
 
     def view(self, start: int, count: int) -> memoryview:
         """The bytes of count blocks from block start (windows are page-aligned)."""
         dbs = self.geo.data_block_size
-        if self.use_mmap:
-            try:
-                return memoryview(mmap.mmap(self.fd, count * dbs, offset=start * dbs,
-                                            flags=mmap.MAP_SHARED | _MAP_POPULATE,
-                                            prot=mmap.PROT_READ))
-            except (OSError, ValueError):  # e.g. a character device: read from now on
-                self.use_mmap = False
-        return memoryview(pread_exact(self.fd, count * dbs, start * dbs, self.what))
+        return self.image.window(start * dbs, count * dbs)
 
 
 def _fork_worker(reader: WindowReader, digester: Digester,
@@ -170,7 +133,7 @@ def _fork_worker(reader: WindowReader, digester: Digester,
     except BaseException as e:  # every failure, even ^C, is reported to the parent
         status = 1
         with contextlib.suppress(BaseException):
-            _send(pipe, 1, (str(e) or f"{reader.what}: hashing stopped ({e!r})").encode())
+            _send(pipe, 1, (str(e) or f"{reader.image.path}: hashing stopped ({e!r})").encode())
     finally:
         os._exit(status)
 
@@ -210,17 +173,60 @@ def pack_blocks(slots: bytes, geo: TreeGeometry) -> bytes:
     return b"".join(out)
 
 
-def level_blocks(fd: int, geo: TreeGeometry, level: int,
-                 what: str = "hash") -> Iterator[tuple[int, bytes]]:
-    """Yield (index in level, block bytes) for every block of one level, read in chunks."""
+def level_slot_chunks(hashes: ImageFile, geo: TreeGeometry, level: int,
+                      digester: Digester) -> Iterator[tuple[int, bytes]]:
+    """Yield (first block, concatenated slots) for the blocks of one level, in order,
+    read CHUNK_SIZE bytes at a time: what the level above holds."""
     hbs = geo.hash_block_size
     total = geo.level_blocks[level]
     per_read = max(1, CHUNK_SIZE // hbs)
     for first in range(0, total, per_read):
         n = min(per_read, total - first)
-        buf = pread_exact(fd, n * hbs, (geo.level_start[level] + first) * hbs, what)
-        for i in range(n):
-            yield first + i, buf[i * hbs:(i + 1) * hbs]
+        buf = hashes.read_exact(n * hbs, (geo.level_start[level] + first) * hbs)
+        yield first, digester.slots_of(buf, hbs)
+
+
+def walk_level(hashes: ImageFile, geo: TreeGeometry, level: int,
+               slot_chunks: Generator[tuple[int, bytes], None, None],
+               check: LevelCheck | None = None) -> None:
+    """One pass of cryptsetup's create_or_verify: pack the slots of the level below (the
+    data blocks for level 0), in order, into the hash blocks of level, and write those
+    (format: hashes is a HashImageWriter) or, given a check, compare them with the blocks
+    on disk (verify). Slots arrive in chunks that need not end on a hash block."""
+    per_block = geo.hashes_per_block * geo.slot_size
+    index = 0  # the next block of this level
+    carry = b""  # slots of a block the next chunk completes
+    with contextlib.closing(slot_chunks):  # on an error, data workers are stopped now
+        for _, slots in slot_chunks:
+            pending = carry + slots if carry else slots
+            whole = len(pending) - len(pending) % per_block
+            carry = pending[whole:]
+            index = _put_blocks(hashes, geo, level, index, pending[:whole], check)
+    _put_blocks(hashes, geo, level, index, carry, check)  # the last block, zero-filled
+
+
+def _put_blocks(hashes: ImageFile, geo: TreeGeometry, level: int, index: int, slots: bytes,
+                check: LevelCheck | None) -> int:
+    """Write or check the blocks of level from index on that hold slots; the next index."""
+    if not slots:
+        return index
+    count = -(-len(slots) // (geo.hashes_per_block * geo.slot_size))
+    offset = (geo.level_start[level] + index) * geo.hash_block_size
+    if check is None:
+        hashes.pwrite_all(pack_blocks(slots, geo), offset)
+    else:
+        check.compare(index, slots, hashes.read_exact(count * geo.hash_block_size, offset))
+    return index + count
+
+
+def top_digest(data: ImageFile, hashes: ImageFile, geo: TreeGeometry,
+               digester: Digester) -> bytes:
+    """What the root hash is the digest of: the top hash block, or the only data block
+    of a tree with no level."""
+    if geo.levels == 0:
+        return digester.digest(data.read_exact(geo.data_block_size, 0))
+    return digester.digest(hashes.read_exact(geo.hash_block_size,
+                                             geo.level_start[-1] * geo.hash_block_size))
 
 
 def build_tree(data_path: str, hash_path: str, params: VerityParams,
@@ -228,79 +234,38 @@ def build_tree(data_path: str, hash_path: str, params: VerityParams,
     """Write the superblock (unless disabled) and the tree; return the root digest.
     A hash image this call created is removed again if the build fails."""
     params.check()
-    data_fd = open_ro(data_path)
-    created = not os.path.exists(hash_path)
-    try:
-        hash_fd = os.open(hash_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    except OSError as e:
-        os.close(data_fd)
-        raise ImageIOError(f"{hash_path}: {e.strerror}") from None
-    try:
-        return _build(data_fd, hash_fd, params, progress, (data_path, hash_path))
-    except OSError as e:  # fsync, ftruncate: the hash image (reads and writes say which)
-        failure: Exception = ImageIOError(f"{hash_path}: {e.strerror}")
-    except BaseException as e:
-        failure = e
-    finally:
-        os.close(data_fd)
-        os.close(hash_fd)
-    if created:
-        with contextlib.suppress(OSError):
-            os.unlink(hash_path)
-    raise failure
+    with ImageFile(data_path, "data") as data, HashImageWriter(hash_path) as hashes:
+        try:
+            return _build(data, hashes, params, progress)
+        except BaseException:
+            hashes.discard()
+            raise
 
 
-def _build(data_fd: int, hash_fd: int, params: VerityParams, progress: Progress | None,
-           names: tuple[str, str]) -> bytes:
+def _build(data: ImageFile, hashes: HashImageWriter, params: VerityParams,
+           progress: Progress | None) -> bytes:
+    """Data → level 0, then each level from the one below it up to the top; the root."""
     geo, digester = params.geometry(), params.digester()
-    data_name, hash_name = names
     if params.superblock:
-        pwrite_all(hash_fd, params.to_superblock().pack(), params.hash_offset, hash_name)
-    if geo.levels == 0:  # one data block: its digest is the root
-        block = pread_exact(data_fd, geo.data_block_size, 0, data_name)
+        hashes.pwrite_all(params.to_superblock().pack(), params.hash_offset)
+    if geo.levels == 0:
         if params.superblock:
-            _pad_superblock(hash_fd, params)
-        return digester.digest(block)
-    _write_level0(data_fd, hash_fd, geo, digester, progress, names)
+            hashes.extend_to(_superblock_end(params))
+        return top_digest(data, hashes, geo, digester)
+    walk_level(hashes, geo, 0, data_slot_chunks(data, geo, digester, progress))
     for level in range(1, geo.levels):
-        slots = [digester.slot(b) for _, b in level_blocks(hash_fd, geo, level - 1, hash_name)]
-        pwrite_all(hash_fd, pack_blocks(b"".join(slots), geo),
-                   geo.level_start[level] * geo.hash_block_size, hash_name)
-    top = pread_exact(hash_fd, geo.hash_block_size,
-                      geo.level_start[-1] * geo.hash_block_size, hash_name)
-    os.fsync(hash_fd)
-    return digester.digest(top)
+        walk_level(hashes, geo, level, level_slot_chunks(hashes, geo, level - 1, digester))
+    root = top_digest(data, hashes, geo, digester)
+    hashes.sync()
+    return root
 
 
-def _pad_superblock(fd: int, params: VerityParams) -> None:
-    """Extend the hash image past a superblock no tree follows, as veritysetup 2.6.1 does:
-    it writes one whole block of min(hash block size, 4096) bytes (measured: hbs 512 →
-    offset + 512, hbs 8192 → offset + 4096). With no superblock it writes nothing."""
+def _superblock_end(params: VerityParams) -> int:
+    """Where the hash image ends when a superblock but no tree is written, as veritysetup
+    2.6.1 leaves it: it writes one whole block of min(hash block size, 4096) bytes
+    (measured: hbs 512 → offset + 512, hbs 8192 → offset + 4096)."""
     block = min(params.hash_block_size, SB_WRITE_BLOCK)
-    end = -(-(params.hash_offset + SUPERBLOCK_SIZE) // block) * block
-    if os.lseek(fd, 0, os.SEEK_END) < end:
-        os.ftruncate(fd, end)
-
-
-def _write_level0(data_fd: int, hash_fd: int, geo: TreeGeometry, digester: Digester,
-                  progress: Progress | None, names: tuple[str, str]) -> None:
-    """Hash all data blocks and write level 0 as whole hash blocks."""
-    data_name, hash_name = names
-    per_block = geo.hashes_per_block * geo.slot_size
-    offset = geo.level_start[0] * geo.hash_block_size
-    carry = b""
-    # closing(): on an error the workers are stopped now, not when the frame is freed
-    with contextlib.closing(data_slot_chunks(data_fd, geo, digester, progress,
-                                             what=data_name)) as chunks:
-        for _, slots in chunks:
-            slots = carry + slots
-            whole = len(slots) - len(slots) % per_block
-            carry = slots[whole:]
-            packed = pack_blocks(slots[:whole], geo)
-            pwrite_all(hash_fd, packed, offset, hash_name)
-            offset += len(packed)
-    if carry:
-        pwrite_all(hash_fd, pack_blocks(carry, geo), offset, hash_name)
+    return -(-(params.hash_offset + SUPERBLOCK_SIZE) // block) * block
 
 
 @dataclass
@@ -321,80 +286,87 @@ class VerifyReport:
         return self.bad_count == 0
 
 
+@dataclass
+class LevelCheck:
+    """walk_level's compare mode for one level: which of its blocks are untrusted, and
+    what the blocks below them turn out to be.
+
+    A block is untrusted when it failed its own check or sits under one that did. The
+    children of an untrusted block are untrusted too but not reported: only the highest
+    bad block of a branch is (the kernel could not tell more either). The rest of a block
+    after its slots (format 0's padding, the last block's unused slots) is not compared.
+    """
+
+    geo: TreeGeometry
+    digest_size: int
+    report: VerifyReport
+    untrusted: bytearray  # one byte per block of this level, 1 = untrusted
+    corruption: Callable[[int], CorruptionError]  # the error for a bad child, by index
+    children_untrusted: bytearray | None = None  # filled in, unless the children are data
+
+    def compare(self, index: int, slots: bytes, stored: bytes) -> None:
+        """Compare the slots of blocks index.. with the same blocks as stored."""
+        geo = self.geo
+        per_block, hbs = geo.hashes_per_block * geo.slot_size, geo.hash_block_size
+        for k, at in enumerate(range(0, len(slots), per_block)):
+            ours = slots[at:at + per_block]
+            theirs = stored[k * hbs:k * hbs + len(ours)]
+            first_child = (index + k) << geo.hpb_bits
+            if self.untrusted[index + k]:
+                self._distrust(first_child, len(ours) // geo.slot_size)
+            elif theirs != ours:
+                self._compare_slots(first_child, ours, theirs)
+
+    def _compare_slots(self, first_child: int, ours: bytes, theirs: bytes) -> None:
+        """Report each child whose digest differs from the one stored (padding aside)."""
+        size, step = self.digest_size, self.geo.slot_size
+        for at in range(0, len(ours), step):
+            if ours[at:at + size] != theirs[at:at + size]:
+                self._distrust(first_child + at // step, 1)
+                self.report.add(self.corruption(first_child + at // step))
+
+    def _distrust(self, first_child: int, count: int) -> None:
+        if self.children_untrusted is not None:
+            self.children_untrusted[first_child:first_child + count] = b"\x01" * count
+
+
 def verify_image(data_path: str, hash_path: str, params: VerityParams, root: bytes,
                  progress: Progress | None = None, limit: int = 10) -> VerifyReport:
     """Check every hash block top-down from the root, then every data block."""
-    geo, digester = params.geometry(), params.digester()
-    report = VerifyReport(limit=limit)
-    data_fd, hash_fd = open_ro(data_path), open_ro(hash_path)
-    try:
-        hash_size = os.lseek(hash_fd, 0, os.SEEK_END)  # st_size is 0 for a block device
-        if geo.levels and geo.hash_image_size > hash_size:  # zero levels read no hash block
+    geo, report = params.geometry(), VerifyReport(limit=limit)
+    with ImageFile(data_path, "data") as data, ImageFile(hash_path, "hash") as hashes:
+        hash_size = hashes.end()
+        if geo.levels and geo.hash_image_size > hash_size:  # no level reads no hash block
             raise ImageIOError(f"{hash_path}: hash image is {hash_size} bytes,"
                                f" its geometry needs {geo.hash_image_size}")
-        if geo.levels == 0:
-            if digester.digest(pread_exact(data_fd, geo.data_block_size, 0, data_path)) != root:
-                report.add(DataCorruption(0))
-            return report
-        bad = _verify_hash_levels(hash_fd, geo, digester, root, report, hash_path)
-        _verify_data(data_fd, hash_fd, geo, digester, bad, report, progress,
-                     (data_path, hash_path))
-        return report
-    finally:
-        os.close(data_fd)
-        os.close(hash_fd)
+        _verify(data, hashes, params, root, report, progress)
+    return report
 
 
-def _verify_hash_levels(fd: int, geo: TreeGeometry, digester: Digester, root: bytes,
-                        report: VerifyReport, hash_name: str) -> bytearray:
-    """Verify levels top-down; return the bad-block map of level 0 (1 = untrusted)."""
+def _verify(data: ImageFile, hashes: ImageFile, params: VerityParams, root: bytes,
+            report: VerifyReport, progress: Progress | None) -> None:
+    """Format's passes in compare mode: the root, then each level from the top down
+    (checked by the slots of the level below it), the data last."""
+    geo, digester = params.geometry(), params.digester()
+    untrusted = bytearray([top_digest(data, hashes, geo, digester) != root])
+    if geo.levels == 0:
+        if untrusted[0]:
+            report.add(DataCorruption(0))
+        return
     top = geo.levels - 1
-    top_block = pread_exact(fd, geo.hash_block_size,
-                            geo.level_start[top] * geo.hash_block_size, hash_name)
-    parent_bad = bytearray(1)
-    if digester.digest(top_block) != root:
+    if untrusted[0]:
         report.add(HashCorruption(geo.level_start[top], top))
-        parent_bad[0] = 1
-    for level in range(top - 1, -1, -1):
-        bad = bytearray(geo.level_blocks[level])
-        upper = level_blocks(fd, geo, level + 1, hash_name)
-        current = (-1, b"")
-        for index, block in level_blocks(fd, geo, level, hash_name):
-            parent_index = index >> geo.hpb_bits
-            if parent_bad[parent_index]:
-                bad[index] = 1  # untrusted, but only its bad ancestor is reported
-                continue
-            while current[0] != parent_index:
-                current = next(upper)
-            _, slot = geo.slot_of(level + 1, index)
-            want = current[1][slot:slot + digester.digest_size]
-            if digester.digest(block) != want:
-                bad[index] = 1
-                report.add(HashCorruption(geo.level_start[level] + index, level))
-        parent_bad = bad
-    return parent_bad
+    for level in range(top, 0, -1):
+        check = LevelCheck(geo, digester.digest_size, report, untrusted,
+                           _hash_corruption(geo, level - 1),
+                           bytearray(geo.level_blocks[level - 1]))
+        walk_level(hashes, geo, level, level_slot_chunks(hashes, geo, level - 1, digester),
+                   check)
+        untrusted = check.children_untrusted
+    check = LevelCheck(geo, digester.digest_size, report, untrusted, DataCorruption)
+    walk_level(hashes, geo, 0, data_slot_chunks(data, geo, digester, progress), check)
 
 
-def _verify_data(data_fd: int, hash_fd: int, geo: TreeGeometry, digester: Digester,
-                 bad_leaves: bytearray, report: VerifyReport,
-                 progress: Progress | None, names: tuple[str, str]) -> None:
-    """Compare each data block's digest with its slot in a verified level-0 block."""
-    data_name, hash_name = names
-    per_block = geo.hashes_per_block * geo.slot_size
-    leaves = level_blocks(hash_fd, geo, 0, hash_name)
-    carry = b""
-    with contextlib.closing(data_slot_chunks(data_fd, geo, digester, progress,
-                                             what=data_name)) as chunks:
-        for first, slots in chunks:
-            pending = carry + slots if carry else slots
-            last = first + len(slots) // geo.slot_size == geo.data_blocks
-            whole = len(pending) if last else len(pending) - len(pending) % per_block
-            carry = pending[whole:]
-            for offset in range(0, whole, per_block):  # one leaf's worth of slots
-                ours, (leaf_index, leaf) = pending[offset:offset + per_block], next(leaves)
-                if bad_leaves[leaf_index] or leaf[:len(ours)] == ours:
-                    continue  # a bad leaf is reported itself; its data cannot be judged
-                for j in range(len(ours) // geo.slot_size):
-                    s = slice(j * geo.slot_size, j * geo.slot_size + digester.digest_size)
-                    if ours[s] != leaf[s]:
-                        report.add(DataCorruption((leaf_index << geo.hpb_bits) + j))
+def _hash_corruption(geo: TreeGeometry, level: int) -> Callable[[int], CorruptionError]:
+    """The error for block index of level."""
+    return lambda index: HashCorruption(geo.level_start[level] + index, level)

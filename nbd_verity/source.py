@@ -4,10 +4,18 @@ Reads go straight into the caller's buffer with preadv (no copy; the GIL is rele
 while the kernel reads). A short read means the image ends before the geometry says it
 should (for example truncated under a running server): that is an ImageIOError naming
 the image and the byte, which the plugin turns into EIO for that request only.
+
+The offline tools (format, verify) read through the same class: whole mapped windows of
+data (ImageFile.window) and exact reads of hash blocks (ImageFile.read_exact), their
+messages naming the image by its path alone; format writes the hash image through
+HashImageWriter, the only class here that opens an image for writing. The data image is
+never opened for writing.
 """
 
 from __future__ import annotations
 
+import contextlib
+import mmap
 import os
 
 from .errors import ImageIOError
@@ -51,3 +59,101 @@ class ImageFile:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+    # Used by the offline tools (builder.py): they name the image by its path alone.
+
+    _mappable = True  # until window() fails to map this image
+
+    def __enter__(self) -> ImageFile:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def end(self) -> int:
+        """The image's size found by seeking to its end (st_size is 0 for a block device)."""
+        return os.lseek(self.fd, 0, os.SEEK_END)
+
+    def read_exact(self, size: int, offset: int) -> bytes:
+        """Exactly size bytes at offset, or ImageIOError naming the image and the byte."""
+        chunks = []
+        got = 0
+        while got < size:
+            try:
+                buf = os.pread(self.fd, size - got, offset + got)
+            except OSError as e:
+                raise ImageIOError(f"{self.path}: {e.strerror} (reading at byte "
+                                   f"{offset + got})") from None
+            if not buf:
+                raise ImageIOError(f"{self.path}: image ends at byte {offset + got}, "
+                                   f"{offset + size} needed")
+            chunks.append(buf)
+            got += len(buf)
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    def window(self, offset: int, size: int) -> memoryview:
+        """size bytes at offset (page-aligned), mapped rather than read when the image can be.
+
+        Hashing a mapped window (MAP_POPULATE faults it in at once) reads the page cache
+        directly and saves copying every byte once (about 10% of format's CPU here). An
+        image that cannot be mapped (a character device, say) is read from then on. The
+        image must not shrink while mapped (SIGBUS): callers check its size first.
+        """
+        if self._mappable:
+            try:
+                return memoryview(mmap.mmap(self.fd, size, offset=offset,
+                                            flags=mmap.MAP_SHARED | _MAP_POPULATE,
+                                            prot=mmap.PROT_READ))
+            except (OSError, ValueError):
+                self._mappable = False
+        return memoryview(self.read_exact(size, offset))
+
+
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux only
+
+
+class HashImageWriter(ImageFile):
+    """The hash image as format writes it: opened read-write, created (mode 0644) if
+    missing; discard() removes it again only if this writer created it."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.role = "hash"
+        self.created = not os.path.exists(path)
+        try:
+            self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            raise ImageIOError(f"{path}: {e.strerror}") from None
+
+    def pwrite_all(self, buf: bytes, offset: int) -> None:
+        """Write all of buf at offset, or raise ImageIOError naming the image and the byte."""
+        view = memoryview(buf)
+        while view:
+            try:
+                done = os.pwrite(self.fd, view, offset)
+            except OSError as e:
+                raise ImageIOError(f"{self.path}: {e.strerror} (writing at byte "
+                                   f"{offset})") from None
+            view, offset = view[done:], offset + done
+
+    def extend_to(self, size: int) -> None:
+        """Grow the image to size bytes if it is shorter (the new bytes read as zeros)."""
+        if self.end() < size:
+            self._call(os.ftruncate, size)
+
+    def sync(self) -> None:
+        """Flush what was written to the disk."""
+        self._call(os.fsync)
+
+    def discard(self) -> None:
+        """Close the image and remove it if this writer created it (a failed format)."""
+        self.close()
+        if self.created:
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+
+    def _call(self, call, *args) -> None:
+        try:
+            call(self.fd, *args)
+        except OSError as e:
+            raise ImageIOError(f"{self.path}: {e.strerror}") from None

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import mmap
-import os
 import random
 import threading
 from pathlib import Path
@@ -15,6 +14,7 @@ from nbd_verity import builder
 from nbd_verity.cli import main
 from nbd_verity.errors import DataCorruption, HashCorruption, ImageIOError
 from nbd_verity.params import VerityParams
+from nbd_verity.source import ImageFile
 
 
 def make_data(path: Path, size: int, seed: int = 7) -> Path:
@@ -96,15 +96,12 @@ def test_a_caller_that_stops_early_leaves_no_process(image, monkeypatch):
     data, params, _, _ = image
     monkeypatch.setattr(builder, "WINDOW_SIZE", 64 << 10)
     monkeypatch.setattr(builder, "default_workers", lambda: 3)
-    fd = os.open(data, os.O_RDONLY)
-    try:
-        chunks = builder.data_slot_chunks(fd, params.geometry(), params.digester())
+    with ImageFile(str(data), "data") as image_file:
+        chunks = builder.data_slot_chunks(image_file, params.geometry(), params.digester())
         assert next(chunks)[0] == 0
         assert len(children()) == 2
         chunks.close()
         assert children() == []
-    finally:
-        os.close(fd)
 
 
 def test_images_that_cannot_be_mapped_are_read(tmp_path, image, monkeypatch):
@@ -168,6 +165,39 @@ def test_a_corrupted_leaf_is_reported_instead_of_its_data_blocks(tmp_path, image
     assert [(type(e), e.block_index) for e in report.bad] == [
         (HashCorruption, leaf), (DataCorruption, 700)]
     assert report.bad[0].level == 0
+
+
+def test_only_the_highest_bad_block_of_a_branch_is_reported(tmp_path, image):
+    data, params, reference, root = image
+    geo = params.geometry()  # 16 slots a hash block: levels of 49, 4 and 1 blocks
+    bad_upper = geo.level_start[1] + 1  # covers leaves 16..31, data blocks 256..511
+    buf = bytearray(reference)
+    for block in (bad_upper, geo.level_start[0] + 20, geo.level_start[0] + 40):
+        buf[block * 512 + 100] ^= 1  # leaf 20 sits under bad_upper, leaf 40 does not
+    (tmp_path / "hash").write_bytes(bytes(buf))
+    damaged = bytearray(data.read_bytes())
+    for block in (300, 641, 700):  # under bad_upper, under leaf 40, under a good leaf
+        damaged[block * 4096] ^= 1
+    data.write_bytes(bytes(damaged))
+    report = builder.verify_image(str(data), str(tmp_path / "hash"), params, root)
+    assert [(type(e), e.block_index) for e in report.bad] == [
+        (HashCorruption, bad_upper), (HashCorruption, geo.level_start[0] + 40),
+        (DataCorruption, 700)]
+    assert [getattr(e, "level", None) for e in report.bad] == [1, 0, None]
+    assert report.bad_count == 3
+
+
+def test_a_corrupted_top_block_is_the_only_report(tmp_path, image):
+    data, params, reference, root = image
+    top = params.geometry().level_start[-1]
+    buf = bytearray(reference)
+    for offset in (top * 512, len(buf) - 1):  # the top block and the last leaf
+        buf[offset] ^= 1
+    (tmp_path / "hash").write_bytes(bytes(buf))
+    report = builder.verify_image(str(data), str(tmp_path / "hash"), params, root)
+    assert [(type(e), e.block_index, e.level) for e in report.bad] == [
+        (HashCorruption, top, 2)]
+    assert report.bad_count == 1
 
 
 def test_cli_prints_ten_blocks_then_a_count(tmp_path, image):
