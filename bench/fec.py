@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from format import SALT, THEIRS, UUID, prepare_image, wait_until_quiet, warm_cache  # noqa: E402
+from format import SALT, THEIRS, UUID, prepare_image, wait_until_quiet, warm_cache
 
 REPO = Path(__file__).resolve().parent.parent
 OURS_SCRIPT = """

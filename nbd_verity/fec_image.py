@@ -105,7 +105,7 @@ class FecVerifyReport:
     @property
     def ok(self) -> bool:
         """Every bad block was rebuilt and matches its digest: a reader sees no error."""
-        return self.tree.ok or not self.unrepaired and bool(self.repaired)
+        return self.tree.ok or (not self.unrepaired and bool(self.repaired))
 
     def messages(self) -> list[str]:
         """veritysetup's lines for the FEC part of its verdict."""

@@ -157,3 +157,22 @@ def test_verify_with_fec_inside_the_hash_image(tools, tmp_path):
     assert report.messages() == [f"Found {report.errors} repairable errors with FEC device."]
     assert report.messages()[0] in theirs.stderr
     assert report.repaired == [("data", 100), ("data", 104)] and report.ok
+
+
+def test_pure_python_codec_matches_veritysetup(tools, tmp_path, monkeypatch):
+    """The fallback used without a compiler writes and repairs the same bytes."""
+    from nbd_verity import rs
+
+    monkeypatch.setattr(rs, "encode", rs.py_encode)
+    monkeypatch.setattr(rs, "decode", rs.py_decode)
+    monkeypatch.setattr(rs, "NATIVE", False)
+    size, bs = 600 * 512, 512
+    data = tools.write_image(tmp_path / "data", size, seed=9)
+    params = make_params(tools, size, bs)
+    root = theirs_format(tools, data, tmp_path / "h1", tmp_path / "f1", bs, 3, 0)
+    fec_image.format_with_fec(str(data), str(tmp_path / "h2"), str(tmp_path / "f2"), params, 3)
+    assert tools.sha256(tmp_path / "f2") == tools.sha256(tmp_path / "f1")
+    poke(data, 7 * bs, random.Random(1).randbytes(bs))
+    report = fec_image.verify_with_fec(str(data), str(tmp_path / "h1"), str(tmp_path / "f1"),
+                                       params, bytes.fromhex(root), 3)
+    assert report.repaired == [("data", 7)] and report.veritysetup_ok
