@@ -251,11 +251,20 @@ def _attempt(geo: FecGeometry, region: int, rows: Sequence[bytes], parity: bytes
 class FecRepairer:
     """Reads a block's group and parity and rebuilds it: the call a verifier makes."""
 
-    def __init__(self, geo: FecGeometry, reader: MessageReader, fec: ImageFile) -> None:
+    def __init__(self, geo: FecGeometry, reader: MessageReader, fec: ImageFile,
+                 keep_group: bool = False) -> None:
         self.geo, self.reader, self.fec = geo, reader, fec
+        self.keep_group = keep_group
+        self._last: tuple[int, list[bytes | None]] = (-1, [])
 
     def group(self, round_index: int) -> list[bytes | None]:
-        return [self.reader.block(i) for i in self.geo.group(round_index)]
+        """The blocks of one group (None: unreadable). With keep_group (an offline check,
+        where bad blocks often share a group) the last group is kept; a server re-reads,
+        as the kernel does, so that a block fixed on disk is seen."""
+        if not self.keep_group or self._last[0] != round_index:
+            self._last = (round_index, [self.reader.block(i)
+                                        for i in self.geo.group(round_index)])
+        return self._last[1]
 
     def parity(self, round_index: int) -> bytes:
         offset, size = self.geo.parity_span(round_index)

@@ -96,6 +96,11 @@ class FecVerifyReport:
     unrepaired: list[tuple[str, int]] = field(default_factory=list)
 
     @property
+    def untried(self) -> int:
+        """Bad blocks past the limit, not rebuilt (each rebuild reads rsn blocks)."""
+        return self.tree.bad_count - len(self.tree.bad)
+
+    @property
     def veritysetup_ok(self) -> bool:
         """veritysetup verify --fec-device's exit status 0."""
         if self.tree.ok:
@@ -105,7 +110,8 @@ class FecVerifyReport:
     @property
     def ok(self) -> bool:
         """Every bad block was rebuilt and matches its digest: a reader sees no error."""
-        return self.tree.ok or (not self.unrepaired and bool(self.repaired))
+        return self.tree.ok or (not self.unrepaired and not self.untried
+                                and bool(self.repaired))
 
     def messages(self) -> list[str]:
         """veritysetup's lines for the FEC part of its verdict."""
@@ -118,9 +124,10 @@ class FecVerifyReport:
 
 def verify_with_fec(data_path: str, hash_path: str, fec_path: str, params: VerityParams,
                     root: bytes, roots: int, fec_offset: int = 0,
-                    limit: int = 1 << 16) -> FecVerifyReport:
+                    limit: int = 1024) -> FecVerifyReport:
     """Check the tree; if it fails, scan every codeword as veritysetup does and rebuild
-    each bad block (up to limit of them) as the kernel would."""
+    the first `limit` bad blocks as the kernel would (a salt that does not match makes
+    every block bad: rebuilding them all would read the image rsn times over)."""
     geo = fec_geometry(params, hash_path, fec_path, roots, fec_offset)
     report = FecVerifyReport(verify_image(data_path, hash_path, params, root, limit=limit), geo)
     if report.tree.ok:
@@ -132,8 +139,8 @@ def verify_with_fec(data_path: str, hash_path: str, fec_path: str, params: Verit
         report.scanned = True
         report.errors, report.failed_codewords = scan(geo, reader, files[2])
         report.root_only = _root_only(data_path, hash_path, params, root, report.tree)
-        _rebuild_bad_blocks(report, params, root, FecRepairer(geo, reader, files[2]),
-                            files[1])
+        repairer = FecRepairer(geo, reader, files[2], keep_group=True)
+        _rebuild_bad_blocks(report, params, root, repairer, files[1])
     finally:
         for f in files:
             f.close()
