@@ -271,25 +271,34 @@ class FecRepairer:
         return bytes(self.fec.read(size, offset))
 
     def repair(self, index: int, check: Callable[[bytes], bool] | None = None,
-               suspect: Callable[[int, bytes], bool] | None = None) -> bytes | None:
-        """Rebuild message block index. suspect(message index, block) says whether a
-        block of the group fails its own hash (the kernel asks it of data blocks); those
-        and unreadable blocks are the erasures of the second attempt."""
+               suspect: Callable[[int, bytes], bool] | None = None,
+               zero: Callable[[int], bool] | None = None) -> bytes | None:
+        """Rebuild message block index; check(block) says whether it matches its trusted
+        digest. suspect(message index, block) says whether a block of the group fails its
+        own hash (the kernel asks it of data blocks): those and unreadable blocks are the
+        erasures of the second attempt. zero(message index) marks blocks whose wanted
+        digest is the zero-block digest under ignore_zero_blocks: the kernel decodes them
+        as zeros, whatever is on disk."""
         _, round_index = self.geo.locate(index)
         try:
             parity = self.parity(round_index)
         except ImageIOError:
             return None
-        group = self.group(round_index)
+        members = self.geo.group(round_index)
+        group = list(self.group(round_index))
+        zeros = {pos for pos, i in enumerate(members)
+                 if zero is not None and i < self.geo.fec_blocks and i != index and zero(i)}
+        for pos in zeros:
+            group[pos] = bytes(self.geo.block_size)
         block = decode_block(self.geo, index, group, parity, (), check)
         if block is not None or suspect is None:
             return block
         erasures: set[int] = set()  # located only now: hashing the group is slow
-        for pos, msg_index in enumerate(self.geo.group(round_index)):
+        for pos, msg_index in enumerate(members):
             if len(erasures) > self.geo.roots:
                 break
-            if group[pos] is not None and msg_index < self.geo.fec_blocks and suspect(
-                    msg_index, group[pos]):
+            if pos not in zeros and group[pos] is not None and \
+                    msg_index < self.geo.fec_blocks and suspect(msg_index, group[pos]):
                 erasures.add(pos)
         return decode_block(self.geo, index, group, parity, erasures, check) if erasures \
             else None
