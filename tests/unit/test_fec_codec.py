@@ -3,7 +3,10 @@ other, corrections up to the code's limits and refusals past them."""
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
 
 import pytest
 from hypothesis import given, settings
@@ -155,3 +158,18 @@ def test_decode_block_needs_the_digest_to_match():
     assert fec.decode_block(geo, index, bad, parity, {3, 8}, lambda b: b == good) is None
     bad[9] = None  # unreadable: an erasure too, one more than roots
     assert fec.decode_block(geo, index, bad, parity, {3, 7}, lambda b: b == good) is None
+
+
+def test_scalar_and_vector_encoders_agree():
+    """NBD_VERITY_RS_SCALAR=1 forces the table-lookup path the AVX2 path replaces."""
+    if not rs.NATIVE:
+        pytest.skip("no native codec")
+    code = ("import random, sys; from nbd_verity import _rs\n"
+            "for roots in (2, 3, 8, 24):\n"
+            "    rnd = random.Random(roots)\n"
+            "    rows = [rnd.randbytes(1000) for _ in range(255 - roots)]\n"
+            "    sys.stdout.write(_rs.encode(roots, rows, 1000).hex())\n")
+    outputs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              check=True, env={**os.environ, **extra}).stdout
+               for extra in ({}, {"NBD_VERITY_RS_SCALAR": "1"})]
+    assert outputs[0] == outputs[1] and len(outputs[0]) > 0
