@@ -176,3 +176,19 @@ def test_pure_python_codec_matches_veritysetup(tools, tmp_path, monkeypatch):
     report = fec_image.verify_with_fec(str(data), str(tmp_path / "h1"), str(tmp_path / "f1"),
                                        params, bytes.fromhex(root), 3)
     assert report.repaired == [("data", 7)] and report.veritysetup_ok
+
+
+@pytest.mark.parametrize(("extra", "kw"), [
+    (["--hash-offset", "8192"], {"hash_offset": 8192}),
+    (["--no-superblock"], {"superblock": False}),
+], ids=["hash-offset", "no-superblock"])
+def test_parity_follows_the_tree_start(tools, tmp_path, extra, kw):
+    """The code covers the hash image from the tree's first block (VERITY_hash_offset_block)."""
+    data = tools.write_image(tmp_path / "data", 2 << 20, seed=8)
+    done = tools.theirs("format", data, tmp_path / "h1", "--fec-device", tmp_path / "f1",
+                        "--fec-roots", 5, "--salt", tools.salt, "--uuid", tools.uuid, *extra)
+    assert done.returncode == 0, done.stderr
+    params = make_params(tools, 2 << 20, 4096)
+    params = VerityParams(**{**params.__dict__, **kw})
+    fec_image.format_with_fec(str(data), str(tmp_path / "h2"), str(tmp_path / "f2"), params, 5)
+    assert tools.sha256(tmp_path / "f2") == tools.sha256(tmp_path / "f1")
