@@ -57,10 +57,10 @@ class FecGeometry:
         """VERITY_FEC_blocks: with a separate FEC device the code covers the whole hash
         image; inside it, the hash image up to fec_offset. hash_image_size is the size of
         the hash image once the tree is written."""
-        check_roots(roots)
-        if params.data_block_size != params.hash_block_size:
+        if params.data_block_size != params.hash_block_size:  # checked first, as veritysetup
             raise ConfigError("fec-device: data and hash block sizes differ "
                               "(veritysetup: Block sizes must match for FEC.)")
+        check_roots(roots)
         if fec_offset < 0 or fec_offset % 512 or fec_offset > MAX_OFFSET:
             raise ConfigError(f"fec-offset: {fec_offset} is not a multiple of 512 "
                               "(veritysetup: Unsupported VERITY FEC offset.)")
