@@ -4,15 +4,16 @@ VENV := $(CURDIR)/.venv
 PY := $(VENV)/bin/python
 DEB_PACKAGES := nbdkit nbdkit-plugin-python python3-libnbd libnbd-bin fio cryptsetup-bin \
 	nbd-client python3-venv nbdfuse fuse3 e2fsprogs util-linux openssl \
-	user-mode-linux slirp socat busybox-static iproute2 systemd
+	user-mode-linux slirp socat busybox-static iproute2 systemd \
+	gcc python3-dev
 
-.PHONY: setup demo test lint bench bench-format e2e e2e-bench clean
+.PHONY: setup demo test lint bench bench-format bench-fec e2e e2e-bench clean
 
 setup: $(VENV)/.installed
 
 # Debian packages first (idempotent: apt only runs when one is missing), then the venv
 # from Debian's python3, which is the interpreter nbdkit embeds.
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml setup.py nbd_verity/_rs.c  # the C codec is built in place
 	@missing=$$(for p in $(DEB_PACKAGES); do dpkg-query -W -f='$${Status}' $$p 2>/dev/null \
 		| grep -q 'install ok installed' || echo $$p; done); \
 	if [ -n "$$missing" ]; then \
@@ -46,6 +47,9 @@ e2e-bench: setup
 
 bench-format: setup
 	$(PY) bench/format.py
+
+bench-fec: setup
+	$(PY) bench/fec.py
 
 clean:
 	rm -rf $(VENV) demo .pytest_cache .hypothesis
