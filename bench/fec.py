@@ -26,7 +26,7 @@ from format import SALT, THEIRS, UUID, prepare_image, wait_until_quiet, warm_cac
 REPO = Path(__file__).resolve().parent.parent
 OURS_SCRIPT = """
 import sys
-from nbd_verity import fec_image
+from nbd_verity.fec import image as fec_image
 from nbd_verity.params import VerityParams, parse_uuid
 data, hash_path, fec_path, roots, salt, uuid = sys.argv[1:]
 size = open(data, "rb").seek(0, 2)

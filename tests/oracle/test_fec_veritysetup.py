@@ -1,6 +1,6 @@
 """FEC against veritysetup: the parity bytes, and the verdict of `verify --fec-device`.
 
-Parity: veritysetup and nbd_verity.fec_image write the FEC of the same image (same salt
+Parity: veritysetup and nbd_verity.fec.image write the FEC of the same image (same salt
 and UUID), on a separate device and inside the hash image at an offset; the files must be
 identical. Verify: an image is corrupted in one way, then veritysetup's exit status and its
 "Found N repairable errors" line are compared with FecVerifyReport; the kernel-style
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from nbd_verity import fec_image
+from nbd_verity.fec import image as fec_image
 from nbd_verity.params import VerityParams, parse_uuid
 
 
@@ -161,7 +161,7 @@ def test_verify_with_fec_inside_the_hash_image(tools, tmp_path):
 
 def test_pure_python_codec_matches_veritysetup(tools, tmp_path, monkeypatch):
     """The fallback used without a compiler writes and repairs the same bytes."""
-    from nbd_verity import rs
+    from nbd_verity.fec import rs
 
     monkeypatch.setattr(rs, "encode", rs.py_encode)
     monkeypatch.setattr(rs, "decode", rs.py_decode)

@@ -12,14 +12,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nbd_verity import fec, rs
 from nbd_verity.errors import ConfigError
+from nbd_verity.fec import layout as fec
+from nbd_verity.fec import rs
 from nbd_verity.params import VerityParams
 
 reedsolo = pytest.importorskip("reedsolo")
 CODECS = [pytest.param((rs.py_encode, rs.py_decode), id="python")]
 if rs.NATIVE:
-    from nbd_verity import _rs
+    from nbd_verity.fec import _rs
     CODECS.append(pytest.param((_rs.encode, _rs.decode), id="native"))
 
 
@@ -164,7 +165,7 @@ def test_scalar_and_vector_encoders_agree():
     """NBD_VERITY_RS_SCALAR=1 forces the table-lookup path the AVX2 path replaces."""
     if not rs.NATIVE:
         pytest.skip("no native codec")
-    code = ("import random, sys; from nbd_verity import _rs\n"
+    code = ("import random, sys; from nbd_verity.fec import _rs\n"
             "for roots in (2, 3, 8, 24):\n"
             "    rnd = random.Random(roots)\n"
             "    rows = [rnd.randbytes(1000) for _ in range(255 - roots)]\n"

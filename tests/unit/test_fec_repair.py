@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from nbd_verity import fec_image
-from nbd_verity.fec import FecRepairer, MessageReader
+from nbd_verity.fec import image as fec_image
+from nbd_verity.fec.layout import FecRepairer, MessageReader
 from nbd_verity.params import VerityParams
 from nbd_verity.source import ImageFile
 

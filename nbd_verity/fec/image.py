@@ -19,12 +19,12 @@ import contextlib
 import os
 from dataclasses import dataclass, field
 
+from ..builder import VerifyReport, build_tree, verify_image
+from ..errors import DataCorruption, HashCorruption, ImageIOError
+from ..params import VerityParams
+from ..source import ImageFile
 from . import rs
-from .builder import VerifyReport, build_tree, verify_image
-from .errors import DataCorruption, HashCorruption, ImageIOError
-from .fec import FecGeometry, FecRepairer, MessageReader, encode
-from .params import VerityParams
-from .source import ImageFile
+from .layout import FecGeometry, FecRepairer, MessageReader, encode
 
 SCAN_ROUNDS = 32  # groups decoded per step of the full scan
 

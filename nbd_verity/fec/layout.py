@@ -19,11 +19,11 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from ..errors import ConfigError, ImageIOError
+from ..limits import MAX_OFFSET
+from ..params import VerityParams
+from ..source import ImageFile
 from . import rs
-from .errors import ConfigError, ImageIOError
-from .geometry import MAX_OFFSET
-from .params import VerityParams
-from .source import ImageFile
 
 RSM = 255  # symbols per codeword
 MIN_ROOTS, MAX_ROOTS = 2, 24  # cryptsetup's FEC_MIN_RSN 231, FEC_MAX_RSN 253
