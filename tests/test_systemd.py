@@ -18,11 +18,12 @@ import shlex
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import nbd  # python3-libnbd, a Debian package; the venv sees system site-packages
 import pytest
+
+from nbd_verity.launch import Launched
 
 UNITS = Path(__file__).resolve().parent.parent / "systemd"
 UNIT_FILES = ("nbd-verity@.service", "nbd-verity@.socket", "nbd-verity-attach@.service")
@@ -141,16 +142,17 @@ def test_socket_activated_service_serves(systemd_tools, export, tmp_path: Path):
     argv[0] = argv[0].replace(SHIPPED_BIN, str(NBD_VERITY))
     (listen,) = directive("nbd-verity@.socket", "ListenStream")
     sock = re.sub(r"%(.)", lambda m: specifiers[m.group(1)], listen)
-    log = tmp_path / "server.log"
-    with open(log, "wb") as log_f:
-        proc = subprocess.Popen(["systemd-socket-activate", "-l", sock, "-E", "PATH", *argv],
-                                stdin=subprocess.DEVNULL, stdout=log_f, stderr=subprocess.STDOUT)
-    try:
-        wait_for_log(proc, log, "Listening on")
+    control = runtime / "nbd-verity" / "demo" / "ctl.sock"
+    # systemd-socket-activate execs the service on the first connection (the readiness
+    # probe's); ready when the exec'd nbdkit's control socket answers (after_fork).
+    server = Launched(["systemd-socket-activate", "-l", sock, "-E", "PATH", *argv],
+                      socket=sock, control=control, log_path=tmp_path / "server.log",
+                      env=os.environ)
+    with server.start(timeout=30):
         h = nbd.NBD()
         h.connect_unix(sock)
         # The exec chain kept one pid: nbdkit's LISTEN_PID check passed.
-        assert Path(f"/proc/{proc.pid}/comm").read_text().strip() == "nbdkit"
+        assert Path(f"/proc/{server.pid}/comm").read_text().strip() == "nbdkit"
         expected = data.read_bytes()
         assert h.pread(9 * BLOCK, 0) == expected[:9 * BLOCK]
         assert h.pread(246 * BLOCK, 10 * BLOCK) == expected[10 * BLOCK:]
@@ -158,19 +160,6 @@ def test_socket_activated_service_serves(systemd_tools, export, tmp_path: Path):
             h.pread(BLOCK, 9 * BLOCK)
         assert failed.value.errnum == errno.EIO
         h.shutdown()
-        control = runtime / "nbd-verity" / "demo" / "ctl.sock"
         status = subprocess.run([str(NBD_VERITY), "ctl", "--control", str(control), "status",
                                  "--json"], check=True, capture_output=True, text=True).stdout
         assert json.loads(status)["status"]["status"] == "C"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
-
-
-def wait_for_log(proc: subprocess.Popen, log: Path, text: str, timeout_s: float = 20) -> None:
-    deadline = time.monotonic() + timeout_s
-    while text not in log.read_text(errors="replace"):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise AssertionError(f"no {text!r} from the server:\n{log.read_text()}")
-        time.sleep(0.05)
-
