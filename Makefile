@@ -3,8 +3,8 @@ SHELL := /bin/bash
 VENV := $(CURDIR)/.venv
 PY := $(VENV)/bin/python
 DEB_PACKAGES := nbdkit nbdkit-plugin-python python3-libnbd libnbd-bin fio cryptsetup-bin \
-	nbd-client python3-venv nbdfuse fuse3 e2fsprogs util-linux openssl \
-	user-mode-linux slirp socat busybox-static iproute2 systemd \
+	nbd-client python3-venv python3-asn1crypto python3-cryptography nbdfuse fuse3 e2fsprogs \
+	util-linux openssl user-mode-linux slirp socat busybox-static iproute2 systemd \
 	gcc python3-dev
 
 .PHONY: setup demo test lint bench bench-format bench-fec e2e e2e-bench clean

@@ -70,8 +70,9 @@ class ServerConfig:
     """Everything the server needs, validated."""
 
     data: str
-    hash: str
-    root_hash: str  # hex, checked against the digest size once params are known
+    hash: str | None = None  # None: IMAGE.verity beside the data (trust.root.resolve_root)
+    root_hash: str | None = None  # hex, checked against the digest size once params are
+    # known; None: IMAGE.roothash beside the data, or a verity.sig's rootHash
     tree: dict = field(default_factory=dict)  # options for params.load_params
     mode: str = "eio"
     ignore_zero_blocks: bool = False
@@ -85,6 +86,9 @@ class ServerConfig:
     workers: int = 0  # 0: the number of CPUs
     default_class: str = "be"
     serialize: bool = False
+    root_hash_signature: str | None = None  # DER PKCS#7, or a verity.sig JSON file
+    trusted_certs: str | None = None  # a PEM file or a directory; None: verity.d places
+    require_signatures: bool = False  # the kernel's require_signatures: no start unsigned
 
 
 def _text(key: str, text: str) -> str:
@@ -152,6 +156,9 @@ KEYS = (
     Key("workers", "workers", lambda k, v: parse_int(k, v, 0), "workers"),
     Key("default-class", "default_class", lambda k, v: v.strip().lower(), "default_class"),
     Key("serialize", "serialize", parse_bool, "serialize"),
+    Key("root-hash-signature", "root_hash_signature", absolute_file, "root_hash_signature"),
+    Key("trusted-certs", "trusted_certs", absolute_file, "trusted_certs"),
+    Key("require-signatures", "require_signatures", parse_bool, "require_signatures"),
 )
 _BY_NAME = {key.name: key for key in KEYS}
 _DEFAULTS = {f.name: f.default for f in fields(ServerConfig)}
@@ -211,11 +218,12 @@ class ConfigBuilder:
 
     def build(self) -> ServerConfig:
         values = dict(self.values)
-        for required in ("data", "hash"):
-            if required not in values:
-                raise ConfigError(f"{required}: missing (give {required}=PATH)")
+        if "data" not in values:
+            raise ConfigError("data: missing (give data=PATH)")
+        # hash and root-hash may come from sidecars beside the data (the Device finds them)
         values["root_hash"] = root_hash_text(values.get("root_hash"),
-                                             values.pop("root_hash_file", None))
+                                             values.pop("root_hash_file", None),
+                                             required=False)
         return ServerConfig(tree=dict(self.tree), thresholds=dict(self.thresholds), **values)
 
 

@@ -24,6 +24,7 @@ from .log import log
 from .params import load_params
 from .roothash import root_digest
 from .source import ImageFile
+from .trust.root import TrustedRoot, resolve_root
 from .verifier import Verifier, VerifyOptions
 
 
@@ -41,11 +42,13 @@ class Device:
     def __init__(self, config: ServerConfig, hooks: Hooks | None = None) -> None:
         self.config = config
         self.hooks = hooks or Hooks()
+        self.trust = trusted_root(config)
+        self.hash_path = self.trust.hash_image
         self.data = ImageFile(config.data, "data")
-        self.hashes = ImageFile(config.hash, "hash")
-        self.params = load_params(config.hash, config.tree, self.data.size())
+        self.hashes = ImageFile(self.hash_path, "hash")
+        self.params = load_params(self.hash_path, config.tree, self.data.size())
         self.geo = self.params.geometry()
-        root = root_digest(config.root_hash, self.params.digester().digest_size)
+        root = root_digest(self.trust.root_hex, self.params.digester().digest_size)
         self._check_sizes()
         if config.check_at_most_once and self.geo.data_blocks > 2**31 - 1:
             raise ConfigError("check-at-most-once: more than INT_MAX data blocks")
@@ -81,7 +84,7 @@ class Device:
             raise ImageIOError(f"data: {self.config.data} is {self.data.size()} bytes, the "
                                f"tree covers {need}")
         if self.hashes.size() < self.geo.hash_image_size:
-            raise ImageIOError(f"hash: {self.config.hash} is {self.hashes.size()} bytes, its "
+            raise ImageIOError(f"hash: {self.hash_path} is {self.hashes.size()} bytes, its "
                                f"geometry needs {self.geo.hash_image_size}")
 
     @property
@@ -107,7 +110,7 @@ class Device:
         counters = self.verifier.counters
         return {"status": counters.status, "corruptions": counters.corruptions,
                 "uptime_s": round(time.monotonic() - self.started, 3),
-                "mode": self.config.mode}
+                "mode": self.config.mode, "trust": self.trust.status()}
 
     def close(self) -> None:
         if self.control is not None:
@@ -115,6 +118,14 @@ class Device:
         self.dispatcher.stop()
         self.data.close()
         self.hashes.close()
+
+
+def trusted_root(config: ServerConfig) -> TrustedRoot:
+    """The root hash to serve and what vouches for it: given, or found beside the data
+    image, its signature (if any) checked; resolved once, at start-up."""
+    return resolve_root(config.data, config.hash, config.root_hash,
+                        config.root_hash_signature, config.trusted_certs,
+                        config.require_signatures)
 
 
 def _threshold_value(name: str, text) -> int:

@@ -98,6 +98,8 @@ def get_ready():
     global _device
     hooks = device.Hooks(export_name=nbdkit.export_name, peer_pid=_peer_pid)
     _device = device.Device(_config, hooks)
+    for warning in _device.trust.warnings:  # an expired signer, unreadable trusted certs
+        log(f"warning: {warning}")
 
 
 def after_fork():

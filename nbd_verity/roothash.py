@@ -9,12 +9,17 @@ from __future__ import annotations
 from .errors import ConfigError
 
 
-def root_digest(text: str, digest_size: int) -> bytes:
-    """A root hash given as hex, checked against the algorithm's digest size."""
+def root_bytes(text: str) -> bytes:
+    """A root hash given as hex text (any case), as bytes; its length is checked later."""
     try:
-        root = bytes.fromhex(text.strip())
+        return bytes.fromhex(text.strip())
     except ValueError:
         raise ConfigError(f"root-hash: {text!r} is not a hex string") from None
+
+
+def root_digest(text: str, digest_size: int) -> bytes:
+    """A root hash given as hex, checked against the algorithm's digest size."""
+    root = root_bytes(text)
     if len(root) != digest_size:
         raise ConfigError(f"root-hash: {len(root)} bytes, the algorithm's digest is "
                           f"{digest_size} bytes")
@@ -32,12 +37,19 @@ def read_root_hash_file(path: str) -> str:
         raise ConfigError(f"root-hash-file: {path}: not a text file") from None
 
 
-def root_hash_text(root_hash: str | None, root_hash_file: str | None) -> str:
-    """The root hash's hex text from exactly one of the two ways of giving it."""
+def root_hash_text(root_hash: str | None, root_hash_file: str | None,
+                   required: bool = True) -> str | None:
+    """The root hash's hex text from exactly one of the two ways of giving it; None when
+    neither was given and it is not REQUIRED (it may then be found beside the image)."""
     if root_hash is not None and root_hash_file is not None:
         raise ConfigError("root-hash: give it directly or with root-hash-file, not both")
     if root_hash_file is not None:
-        return read_root_hash_file(root_hash_file)
-    if root_hash is None:
+        text = read_root_hash_file(root_hash_file)
+    elif root_hash is not None:
+        text = root_hash.strip()
+    elif required:
         raise ConfigError("root-hash: missing (give a root hash or a root-hash-file)")
-    return root_hash.strip()
+    else:
+        return None
+    root_bytes(text)  # not hex: say so now, before anything is opened or looked up
+    return text

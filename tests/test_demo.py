@@ -12,5 +12,10 @@ def test_demo_walkthrough_succeeds(tmp_path):
     # The corrupted block fails and only it; the mounted corrupted file reports EIO.
     assert "read data block 12345: Input/output error" in done.stdout
     assert "Input/output error" in done.stdout.split("fsc-mnt/payload.bin")[-1]
+    # Signed from sidecars: served and read back; unsigned and wrongly signed: refused.
+    trust = done.stdout.split("Make a signing key with openssl")[-1]
+    assert "read back over NBD: the same bytes as data.img" in trust
+    assert "require-signatures: the root hash is not signed" in trust
+    assert "is not a trusted certificate" in trust
     with open("/proc/mounts") as mounts:
         assert str(tmp_path) not in mounts.read(), "the demo left a mount behind"

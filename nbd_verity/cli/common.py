@@ -66,15 +66,35 @@ TREE_OPTIONS = ("algorithm", "salt", "data_block_size", "hash_block_size", "data
                 "hash_offset", "no_superblock", "hash_type")
 
 
+def trust_options(fn):
+    """Where the root hash's signature and the trusted certificates are, and whether one
+    is required (docs/trust.md); the plugin keys of the same names."""
+    for decorator in reversed((
+            click.option("--root-hash-signature", default=None, metavar="FILE",
+                         help="Detached DER PKCS#7 signature of the root hash, or a "
+                              "verity.sig JSON file (default: IMAGE.roothash.p7s if "
+                              "present)."),
+            click.option("--trusted-certs", default=None, metavar="PATH",
+                         help="PEM file or directory of *.crt to check signatures with "
+                              "(default: /etc/verity.d, /run/verity.d, "
+                              "/usr/local/lib/verity.d, /usr/lib/verity.d)."),
+            click.option("--require-signatures", is_flag=True,
+                         help="Refuse a root hash without a valid signature."))):
+        fn = decorator(fn)
+    return fn
+
+
 def image_arguments(fn):
-    """DATA HASH [ROOT_HASH], the tree options and --root-hash-file: what names a verity
-    device to check or serve (verify, serve)."""
+    """DATA [HASH [ROOT_HASH]], the tree options, --root-hash-file and the trust options:
+    what names a verity device to check or serve (verify, serve). HASH and ROOT_HASH may
+    be left out when DATA's sidecars (IMAGE.verity, IMAGE.roothash) are beside it."""
     for decorator in reversed((
             click.argument("data"),
-            click.argument("hash_image", metavar="HASH"),
-            click.argument("root_hash", required=False),
+            click.argument("hash_image", metavar="[HASH", required=False),
+            click.argument("root_hash", metavar="[ROOT_HASH]]", required=False),
             geometry_options,
             click.option("--root-hash-file", default=None,
-                         help="Read the root hash (hex) from this file."))):
+                         help="Read the root hash (hex) from this file."),
+            trust_options)):
         fn = decorator(fn)
     return fn

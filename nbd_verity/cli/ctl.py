@@ -102,7 +102,18 @@ def format_stats(stats: dict) -> str:
     lines.append(f"status {stats['status']}  corruptions {stats['corruptions']}  "
                  f"uptime {stats['uptime_s']:.0f} s  workers {stats['workers']}")
     lines.append("  ".join(f"{k} {v}" for k, v in totals.items()))
+    if "trust" in stats:
+        lines.append(trust_line(stats["trust"]))
     return "\n".join(lines)
+
+
+def trust_line(trust: dict) -> str:
+    """Whether the served root hash is signed, and by which certificate."""
+    if not trust.get("signed"):
+        return f"trust  root hash {trust['root_hash']} unsigned ({trust['root_hash_source']})"
+    expired = ", certificate expired" if trust.get("expired") else ""
+    return (f"trust  root hash {trust['root_hash']} signed by {trust['subject']} "
+            f"(sha256 {trust['fingerprint']}){expired}")
 
 
 @ctl.command("status")
@@ -118,3 +129,5 @@ def status_cmd(control: str, as_json: bool) -> None:
     status = reply["status"]
     click.echo(f"{status['status']}  corruptions {status['corruptions']}  "
                f"mode {status['mode']}  uptime {status['uptime_s']:.0f} s")
+    if "trust" in status:
+        click.echo(trust_line(status["trust"]))

@@ -17,6 +17,7 @@ COMMANDS = {  # name -> "module:attribute", in the order help lists them
     "format": "nbd_verity.cli.tree:format_cmd",
     "verify": "nbd_verity.cli.tree:verify_cmd",
     "dump": "nbd_verity.cli.tree:dump_cmd",
+    "sign": "nbd_verity.cli.sign:sign_cmd",
     "serve": "nbd_verity.cli.serve:serve_cmd",
     "ctl": "nbd_verity.cli.ctl:ctl",
     "tune": "nbd_verity.cli.tune:tune_cmd",

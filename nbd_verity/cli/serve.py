@@ -1,4 +1,4 @@
-"""`nbd-verity serve DATA HASH [ROOT_HASH]`: options forwarded to launch.exec_server.
+"""`nbd-verity serve DATA [HASH [ROOT_HASH]]`: options forwarded to launch.exec_server.
 
 The options become the plugin's key=value pairs through config.KEYS (config.plugin_pairs),
 the one table of plugin keys; the listening options become nbdkit's own.
@@ -46,7 +46,8 @@ from .common import edge, image_arguments
 @edge
 def serve_cmd(ignore_corruption, restart_on_corruption, unix, port, bind, threads, pid_file,
               exit_with_parent, verbose, **options) -> None:
-    """Serve DATA over NBD, verifying every byte against HASH and ROOT_HASH."""
+    """Serve DATA over NBD, verifying every byte against HASH and ROOT_HASH (or the
+    IMAGE.verity, IMAGE.roothash and IMAGE.roothash.p7s beside DATA)."""
     from ..config import plugin_pairs  # the server side, imported only to serve
     from ..launch import exec_server
     if ignore_corruption and restart_on_corruption:

@@ -19,6 +19,7 @@ from ..errors import ConfigError, VerityError
 from ..limits import block_size_problem
 from ..params import VerityParams, load_params, parse_uuid, random_salt, random_uuid, read_params
 from ..roothash import root_digest, root_hash_text
+from ..trust.root import resolve_root
 from .common import EXIT_CORRUPT, TREE_OPTIONS, edge, fail, geometry_options, image_arguments
 
 
@@ -130,12 +131,19 @@ def _check_overlap(data: str, hash_image: str, params: VerityParams) -> None:
 @click.command("verify")
 @image_arguments
 @edge
-def verify_cmd(data: str, hash_image: str, root_hash: str | None,
-               root_hash_file: str | None, **kw) -> None:
-    """Check every block of DATA against HASH and the trusted ROOT_HASH."""
+def verify_cmd(data: str, hash_image: str | None, root_hash: str | None,
+               root_hash_file: str | None, root_hash_signature: str | None,
+               trusted_certs: str | None, require_signatures: bool, **kw) -> None:
+    """Check every block of DATA against HASH and the trusted ROOT_HASH (or the
+    IMAGE.verity, IMAGE.roothash and IMAGE.roothash.p7s beside DATA)."""
+    trusted = resolve_root(data, hash_image,
+                           root_hash_text(root_hash, root_hash_file, required=False),
+                           root_hash_signature, trusted_certs, require_signatures)
+    for warning in trusted.warnings:
+        click.echo(f"nbd-verity: warning: {warning}", err=True)
+    hash_image = trusted.hash_image
     params = load_params(hash_image, tree_options(kw), data_size_of(data))
-    root = root_digest(root_hash_text(root_hash, root_hash_file),
-                       params.digester().digest_size)
+    root = root_digest(trusted.root_hex, params.digester().digest_size)
     size = data_size_of(data)
     if size < params.data_blocks * params.data_block_size:
         raise VerityError(f"{data}: {size} bytes, the tree covers "
@@ -144,6 +152,8 @@ def verify_cmd(data: str, hash_image: str, root_hash: str | None,
         report = builder.verify_image(data, hash_image, params, root, update)
     if report.ok:
         click.echo(f"Verified {params.data_blocks} data blocks: OK")
+        if trusted.signature is not None or trusted.root_hash_source != "given":
+            click.echo(f"Trust: {trusted.describe()}")
         return
     for error in report.bad:
         click.echo(f"nbd-verity: {error}", err=True)

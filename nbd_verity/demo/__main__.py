@@ -1,13 +1,13 @@
-"""python -m nbd_verity.demo WORKDIR: the offline steps, then the serving ones."""
+"""python -m nbd_verity.demo WORKDIR: the offline steps, the serving ones, then trust."""
 
 from __future__ import annotations
 
 import sys
 
-from . import offline, serving
+from . import offline, serving, trust
 from .walkthrough import run_steps
 
-STEPS = (*offline.STEPS, *serving.STEPS)
+STEPS = (*offline.STEPS, *serving.STEPS, *trust.STEPS)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -52,15 +52,21 @@ def wait_until(ready, what: str, timeout: float = READY_TIMEOUT_S) -> None:
         time.sleep(0.05)
 
 
-@contextlib.contextmanager
 def served(w: Walkthrough, name: str, data: Path, hash_image: Path, root: str):
-    """`nbd-verity serve` in the background; yields (nbd socket, control socket)."""
+    """`nbd-verity serve DATA HASH ROOT` in the background; yields (nbd socket, control
+    socket)."""
+    return served_with(w, name, [data.name, hash_image.name, root])
+
+
+@contextlib.contextmanager
+def served_with(w: Walkthrough, name: str, args: list[str]):
+    """`nbd-verity serve ARGS` in the background; yields (nbd socket, control socket)."""
     sock, ctl, pid_file = (w.workdir / f"{name}.sock", w.workdir / f"{name}.ctl",
                            w.workdir / f"{name}.pid")
     for path in (sock, pid_file):
         path.unlink(missing_ok=True)
-    argv = ["serve", data.name, hash_image.name, root, "--unix", sock.name,
-            "--control", ctl.name, "--pid-file", pid_file.name]
+    argv = ["serve", *args, "--unix", sock.name, "--control", ctl.name,
+            "--pid-file", pid_file.name]
     w.say(f"$ nbd-verity {' '.join(argv)} &")
     server = Launched([w.cli, *argv], socket=sock, pid_file=pid_file, control=ctl,
                       log_path=w.workdir / f"{name}.log", cwd=w.workdir, name="the server")

@@ -5,14 +5,18 @@ CLI's `serve`/`verify`), so a root hash is found and its signature checked the s
 everywhere. Given values win over found ones, as in systemd's verity_settings_load()
 ("only fill in what isn't already filled in"). The root hash's length against the
 algorithm is checked later, by the caller that knows the algorithm.
+
+The certificate and signature modules (asn1crypto, cryptography) are imported only when
+there is a signature to check: an unsigned root hash is served without them, as nbdkit's
+embedded Python may lack them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..errors import ConfigError, SignatureError
-from .certs import DEFAULT_SEARCH_PATH, load_trusted_certs
 from .sidecar import (
     exists_local,
     find_sidecars,
@@ -21,7 +25,9 @@ from .sidecar import (
     read_signature_file,
     xattr_local,
 )
-from .signature import VerifiedSignature, check_root_hash_signature
+
+if TYPE_CHECKING:
+    from .signature import VerifiedSignature
 
 
 @dataclass(frozen=True)
@@ -43,11 +49,13 @@ class TrustedRoot:
                 f"({self.signature_source})")
 
     def status(self) -> dict:
-        """The `signature` object of `ctl status` and `stats`."""
+        """The `trust` object of `ctl status` and `stats`."""
         if self.signature is None:
-            return {"signed": False, "root_hash_source": self.root_hash_source}
+            return {"signed": False, "root_hash": self.root_hex,
+                    "root_hash_source": self.root_hash_source}
         signer = self.signature.signer
-        return {"signed": True, "root_hash_source": self.root_hash_source,
+        return {"signed": True, "root_hash": self.root_hex,
+                "root_hash_source": self.root_hash_source,
                 "signature": self.signature_source, "subject": signer.subject,
                 "fingerprint": signer.fingerprint, "certificate": signer.path,
                 "not_after": signer.not_valid_after.isoformat(), "expired": signer.expired()}
@@ -55,7 +63,7 @@ class TrustedRoot:
 
 def resolve_root(data: str, hash_image: str | None = None, root_hash: str | None = None,
                  signature_path: str | None = None, trusted_certs: str | None = None,
-                 require_signatures: bool = False, search_path=DEFAULT_SEARCH_PATH,
+                 require_signatures: bool = False, search_path=None,
                  read=read_local, exists=exists_local, xattr=xattr_local) -> TrustedRoot:
     """Fill in what was not given from DATA's sidecars, then check the signature, if any:
     a present signature must verify; with REQUIRE_SIGNATURES one must be present."""
@@ -81,14 +89,16 @@ def resolve_root(data: str, hash_image: str | None = None, root_hash: str | None
         raise ConfigError(f"hash: missing (give the hash image, or put "
                           f"{data.removesuffix('.raw')}.verity beside the image)")
     if root_hash is None:
-        raise ConfigError(f"root-hash: missing (give it, or put "
+        raise ConfigError(f"root-hash: missing (give a root hash or a root-hash-file, or put "
                           f"{data.removesuffix('.raw')}.roothash beside the image)")
     if der is None:
         if require_signatures:
             raise SignatureError("require-signatures: the root hash is not signed (give "
                                  "root-hash-signature, or put IMAGE.roothash.p7s beside it)")
         return TrustedRoot(hash_image, root_hash, source)
-    trust = load_trusted_certs(trusted_certs, search_path)
+    load_trusted_certs, check_root_hash_signature = _checker()
+    trust = (load_trusted_certs(trusted_certs) if search_path is None
+             else load_trusted_certs(trusted_certs, search_path))
     verified = check_root_hash_signature(root_hash, der, trust, fingerprint)
     warnings = [f"trusted-certs: skipped {reason}" for reason in trust.skipped]
     if verified.signer.expired():
@@ -96,3 +106,16 @@ def resolve_root(data: str, hash_image: str | None = None, root_hash: str | None
                         f"valid now (until {verified.signer.not_valid_after:%Y-%m-%d}); "
                         f"accepted, as systemd and the kernel accept it")
     return TrustedRoot(hash_image, root_hash, source, verified, sig_source, tuple(warnings))
+
+
+def _checker():
+    """The certificate loader and signature checker, imported when first needed."""
+    try:
+        from .certs import load_trusted_certs
+        from .signature import check_root_hash_signature
+    except ImportError as e:
+        package = (e.name or "asn1crypto").split(".")[0]
+        raise SignatureError(f"root-hash-signature: checking a signature needs the Python "
+                             f"package {package} (pip install {package}, or Debian's "
+                             f"python3-{package})") from None
+    return load_trusted_certs, check_root_hash_signature

@@ -142,7 +142,8 @@ REJECTS = [
      r"nbd-verity: root-hash: 'zz[0-9a-f]{62}' is not a hex string"),
     ("root-hash-missing",
      lambda g, t: ["verify", g[1], g[2]],
-     r"nbd-verity: root-hash: missing \(give a root hash or a root-hash-file\)"),
+     r"nbd-verity: root-hash: missing \(give a root hash or a root-hash-file, or put "
+     r".*/data\.img\.roothash beside the image\)"),
     ("root-hash-file-missing",
      lambda g, t: ["verify", g[1], g[2], f"--root-hash-file={t / 'none'}"],
      r"nbd-verity: root-hash-file: .*/none: No such file or directory"),
