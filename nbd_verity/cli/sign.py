@@ -16,18 +16,10 @@ import click
 from ..errors import ConfigError
 from ..roothash import root_hash_text
 from ..trust.certs import parse_pem_certificates
-from ..trust.sidecar import auxiliary_path, parse_hex
+from ..trust.sidecar import parse_hex, write_file, write_sidecars
 from ..trust.signature import HASHES
 from ..trust.signing import sign_root_hash
 from .common import edge
-
-
-def write_file(path: str, payload: bytes) -> None:
-    """Write PAYLOAD to PATH whole: a temporary file beside it, then renamed over it."""
-    partial = f"{path}.partial"
-    with open(partial, "wb") as f:
-        f.write(payload)
-    os.replace(partial, path)
 
 
 @click.command("sign")
@@ -65,10 +57,7 @@ def sign_cmd(root_hash: str | None, key_path: str, cert_path: str,
         write_file(output, der)
         click.echo(f"wrote {output}", file=report)
     if image is not None:
-        roothash, signature = (auxiliary_path(image, ".roothash"),
-                               auxiliary_path(image, ".roothash.p7s"))
-        write_file(roothash, root_hex.encode("ascii"))  # no newline: the signed bytes
-        write_file(signature, der)
+        roothash, signature = write_sidecars(image, root_hex, der)
         click.echo(f"wrote {roothash} and {signature}", file=report)
     signer = signer_of(cert_path)
     click.echo(f"signed root hash {root_hex} as {signer.subject} "

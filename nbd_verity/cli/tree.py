@@ -77,10 +77,16 @@ def progress_bar(total: int, label: str):
 @click.option("--uuid", default=None, help="UUID for the superblock (default: random).")
 @click.option("--root-hash-file", default=None, type=click.Path(dir_okay=False),
               help="Also write the root hash (hex) to this file.")
+@click.option("--sign-key", default=None, metavar="KEY.pem",
+              help="Sign the root hash with this key (with --sign-cert): writes "
+                   "DATA.roothash and DATA.roothash.p7s, as `nbd-verity sign --sidecars`.")
+@click.option("--sign-cert", default=None, metavar="CERT.pem", help="The signing key's cert.")
 @edge
 def format_cmd(data: str, hash_image: str, uuid: str | None, root_hash_file: str | None,
-               **kw) -> None:
+               sign_key: str | None, sign_cert: str | None, **kw) -> None:
     """Build the hash tree of DATA into HASH and print the root hash."""
+    if (sign_key is None) != (sign_cert is None):
+        raise ConfigError("sign-key: give --sign-key and --sign-cert together")
     opts = tree_options(kw)
     size = data_size_of(data)
     dbs = _given(opts["data_block_size"], 4096)
@@ -112,6 +118,16 @@ def format_cmd(data: str, hash_image: str, uuid: str | None, root_hash_file: str
     if root_hash_file:
         with open(root_hash_file, "w") as f:
             f.write(root.hex())
+    if sign_key is not None:
+        _sign_beside(data, root.hex(), sign_key, sign_cert)
+
+
+def _sign_beside(data: str, root_hex: str, key: str, cert: str) -> None:
+    """format --sign-key/--sign-cert: the signature and root hash as sidecars of DATA."""
+    from ..trust.sidecar import write_sidecars  # cryptography only when signing
+    from ..trust.signing import sign_root_hash
+    roothash, p7s = write_sidecars(data, root_hex, sign_root_hash(root_hex, key, cert))
+    click.echo(f"Signed root hash written to {roothash} and {p7s}")
 
 
 def _given(value, default):

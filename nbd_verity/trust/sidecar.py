@@ -221,3 +221,20 @@ def read_signature_file(path: str, read: Reader = read_local) -> tuple[bytes, Ve
         sig = parse_verity_sig(blob, path)
         return sig.signature, sig
     return blob, None
+
+
+def write_file(path: str, payload: bytes) -> None:
+    """Write payload to path whole: a temporary file beside it, then renamed over it."""
+    partial = f"{path}.partial"
+    with open(partial, "wb") as f:
+        f.write(payload)
+    os.replace(partial, path)
+
+
+def write_sidecars(image: str, root_hex: str, signature: bytes) -> tuple[str, str]:
+    """Write IMAGE.roothash (the hex, no newline: the signed bytes) and IMAGE.roothash.p7s
+    where find_sidecars (and systemd-dissect) look; return their paths."""
+    roothash, p7s = auxiliary_path(image, ".roothash"), auxiliary_path(image, ".roothash.p7s")
+    write_file(roothash, root_hex.encode("ascii"))
+    write_file(p7s, signature)
+    return roothash, p7s

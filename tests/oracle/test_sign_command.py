@@ -111,3 +111,24 @@ def _in(tools, directory, args):
     env = {k: v for k, v in os.environ.items() if not k.startswith("NBD_VERITY_")}
     return subprocess.run([tools.nbd_verity_path, *map(str, args)], cwd=directory, env=env,
                           capture_output=True, text=True, timeout=60, check=False)
+
+
+def test_format_signs_in_one_step(tools, ids, tmp_path):
+    """format --sign-key/--sign-cert: the tree, then DATA.roothash and .p7s beside DATA,
+    which openssl accepts and `verify DATA --require-signatures` finds."""
+    data = tools.write_image(tmp_path / "disk.raw", 1 << 20, seed=11)
+    run = tools.ours("format", data, tmp_path / "disk.verity", "--sign-key", ids["ec"].key,
+                     "--sign-cert", ids["ec"].cert)
+    assert run.returncode == 0, run.stderr
+    root = tools.root_hash(run.stdout)
+    assert (tmp_path / "disk.roothash").read_text() == root
+    assert oracle_verify(tmp_path / "disk.roothash.p7s", ids["ec"].cert,
+                         tmp_path / "disk.roothash")
+    checked = tools.ours("verify", data, "--require-signatures", "--trusted-certs",
+                         ids["ec"].cert)
+    assert checked.returncode == 0, checked.stderr
+    assert "signed by CN=ec-signer" in checked.stdout
+    half = tools.ours("format", data, tmp_path / "other.verity", "--sign-key", ids["ec"].key)
+    assert half.returncode == 2
+    assert half.stderr.strip() == ("nbd-verity: sign-key: give --sign-key and --sign-cert "
+                                   "together")
