@@ -3,11 +3,11 @@
 Two kinds of line reach the server's stderr on a failing request: ours (`nbd-verity: data
 block N is corrupted`, `... truncated`), written by nbd_verity.log, and nbdkit's own, which
 nbdkit 1.32 writes for every failed callback (`nbdkit: python.3: error: plugin.py: pread:
-error: MESSAGE`, plugins/python/errors.c) and which no plugin API can silence; and nbdkit's `write reply: ...: Broken pipe` for
-every request of a client that left with requests in flight. Both count
-against one RateLimit of `lines` per 60 s window; what it holds back is counted and, when
-the window closes, summarised in one line that also says how many corruptions and failed
-reads the window saw (the summary itself is never held back).
+error: MESSAGE`, plugins/python/errors.c) and which no plugin API can silence, or
+`write reply: ...: Broken pipe` for each request of a client that left with requests in
+flight. Both count against one RateLimit of `lines` per 60 s window; what it holds back
+is counted and, when the window closes, summarised in one line that also says how many
+corruptions and failed reads the window saw (the summary itself is never held back).
 
 Our lines are limited where they are written (synchronously: a line is out before the
 request's reply). nbdkit's are limited by a filter on file descriptor 2, installed in
