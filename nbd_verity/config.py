@@ -215,8 +215,9 @@ class ConfigBuilder:
         self.thresholds: dict[str, str] = {}
 
     def add(self, key: str, value: str) -> None:
-        if key not in _BY_NAME:
-            raise ConfigError(f"unknown parameter: {key}")
+        if key not in _BY_NAME:  # quoted only when it would not print as one line
+            shown = key if key.isprintable() else repr(key)
+            raise ConfigError(f"unknown parameter: {shown}")
         spec = _BY_NAME[key]
         parsed = spec.parse(key, value)
         if spec.target == "thresholds":
