@@ -91,3 +91,17 @@ def test_ctl_says_nothing_listens(tmp_path):
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as bound:
         bound.bind(str(path))  # bound, never listening
         assert "Connection refused" in one_error_line(ctl(path, "status"))
+
+
+def test_class_names_are_case_insensitive(servers, image):
+    """Decided and documented (control.md): RT is rt everywhere; replies use lower case."""
+    server = servers.start(image, "--threshold", "IDLE=0", "--default-class", "Rt")
+    result = ctl(server.control, "thresholds", "BE=65536")
+    assert result.returncode == 0, result.stderr
+    assert server.thresholds() == {"none": 4096, "rt": 4096, "be": 65536, "idle": 0}
+    with server.client("@IDLE") as h:
+        assert h.pread(8192, 0) == image.expected(0, 8192)
+    with server.client() as h:
+        assert h.pread(8192, 0) == image.expected(0, 8192)
+    counts = server.counts()
+    assert counts[("idle", "pool")] == 1 and counts[("rt", "pool")] == 1
