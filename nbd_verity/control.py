@@ -82,7 +82,7 @@ def request(path: str | os.PathLike, message: dict, timeout: float = CLIENT_TIME
     except ValueError:
         answer = None
     if not isinstance(answer, dict):
-        raise VerityError(f"{where}: no valid reply ({reply[:80]!r})")
+        raise VerityError(f"{where}: no valid reply")
     return answer
 
 
