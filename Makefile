@@ -7,7 +7,7 @@ DEB_PACKAGES := nbdkit nbdkit-plugin-python python3-libnbd libnbd-bin fio crypts
 	util-linux openssl user-mode-linux slirp socat busybox-static iproute2 systemd \
 	gcc python3-dev
 
-.PHONY: setup demo test lint bench bench-format bench-fec e2e e2e-bench clean
+.PHONY: setup demo test lint bench bench-format bench-fec e2e e2e-bench soak clean
 
 setup: $(VENV)/.installed
 
@@ -44,6 +44,10 @@ e2e: setup
 
 e2e-bench: setup
 	NBD_VERITY_E2E_RECORD=1 $(PY) -m pytest tests/e2e -k test_fio_figures -s
+
+# Not in CI: 10 minutes of everything at once (bench/soak.py; SOAK_MINUTES=N to change).
+soak: setup
+	$(PY) bench/soak.py --minutes $(or $(SOAK_MINUTES),10)
 
 bench-format: setup
 	$(PY) bench/format.py

@@ -11,6 +11,8 @@ rewritten by a full, non-quick run):
   scaling    start-up time and RSS against the data image size (sparse 1 GiB, 64 GiB, 1 TiB).
   knobs      throughput against the pool size (--workers) and nbdkit --threads, and with
              all requests serialised (nbdkit's noparallel filter): the cost of the GIL.
+  threads    nbd-verity under each nbdkit thread model (serialize-requests, the default;
+             serialize-all-requests; parallel), 3 interleaved rounds: median and range.
   hotpath    microseconds per request of the server's read path without nbdkit
              (bench/hotpath.py): bookkeeping and pool hand-off, separated from I/O and hashing.
 Environment: BENCH_RUNTIME seconds per fio run (default 10), BENCH_QUICK=1 for a smoke
@@ -36,7 +38,8 @@ import report  # noqa: E402
 import servers  # noqa: E402
 from fiorun import Job, Result  # noqa: E402
 
-SECTIONS = ("main", "readahead", "scaling", "knobs", "hotpath")
+SECTIONS = ("main", "readahead", "scaling", "knobs", "threads", "hotpath")
+THREAD_MODELS = ("serialize-requests", "serialize-all-requests", "parallel")
 KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
 SWEEP_SIZES = [4 * KIB << i for i in range(8)]  # 4k .. 512k
 INLINE = "nbd-verity, all inline"
@@ -263,7 +266,7 @@ def run_serialize(image: images.Image, runtime: float) -> list[tuple[str, str, R
                                                                             filters=f, keys=k)),
             (DEFAULT, lambda f, k: servers.plugin_server(DEFAULT, image, k, f)),
             (INLINE, lambda f, k: servers.plugin_server(INLINE, image, [*inline, *k], f))):
-        for name, filters, keys in (("parallel (nbdkit's default)", (), ()),
+        for name, filters, keys in (("the plugin's own thread model", (), ()),
                                     ("serialize=all-requests", serial,
                                      ("serialize=all-requests",))):
             with make(filters, list(keys)) as server:
@@ -274,6 +277,44 @@ def run_serialize(image: images.Image, runtime: float) -> list[tuple[str, str, R
                     rows.append((f"{label}, {name}", job.label(),
                                  fiorun.run(server.uri(), job, image.size)))
     return rows
+
+
+def run_thread_models(image: images.Image, runtime: float, rounds: int = 3) -> list[dict]:
+    """The default table under each thread model, all servers alive at once and the rounds
+    interleaved, so that a noisy minute on this shared machine hits every model."""
+    jobs = [Job("randread", 4 * KIB, 8, 1, runtime), Job("read", 512 * KIB, 8, 1, runtime),
+            Job("randread", 64 * KIB, 1, 8, runtime)]
+    group = {model: servers.plugin_server(model, image, [f"thread-model={model}"])
+             for model in THREAD_MODELS}
+    results: dict = {(m, j.label()): [] for m in THREAD_MODELS for j in jobs}
+    try:
+        for server in group.values():
+            server.start()
+            prefill(server, image.size)
+        for round_number in range(rounds):
+            for job in jobs:
+                for model, server in group.items():
+                    say(f"thread model {model}, round {round_number + 1}: {job.label()}")
+                    results[(model, job.label())].append(
+                        fiorun.run(server.uri(), job, image.size).mb_s)
+    finally:
+        for server in group.values():
+            server.stop()
+    return [{"model": m, "job": j, "mb_s": sorted(v)} for (m, j), v in results.items()]
+
+
+def thread_model_table(rows: list[dict]) -> str:
+    jobs = list(dict.fromkeys(r["job"] for r in rows))
+    by = {(r["model"], r["job"]): r["mb_s"] for r in rows}
+    header = ["thread model", *[f"{job} MB/s median (min-max)" for job in jobs]]
+    body = []
+    for model in THREAD_MODELS:
+        cells = []
+        for job in jobs:
+            v = by[(model, job)]
+            cells.append(f"{v[len(v) // 2]:.0f} ({v[0]:.0f}-{v[-1]:.0f})")
+        body.append([model, *cells])
+    return report.table(header, body)
 
 
 # -- report ---------------------------------------------------------------------------
@@ -321,6 +362,14 @@ def render(cfg: Settings, out: dict, image: images.Image, load_before: str,
                   "(`--filter=noparallel serialize=all-requests`: one request in Python at a "
                   "time, so no thread waits for the GIL) against nbdkit's parallel default:",
                   "", report.knob_table("server, thread model", out["serialize"]), ""]
+    if "threads" in out:
+        parts += ["## Thread models", "",
+                  "nbd-verity (default table) under each nbdkit thread model, the three "
+                  "servers alive at once, 3 interleaved rounds per workload (median, and "
+                  "the range over the rounds). `serialize-requests` is the default: "
+                  "nbdkit 1.32's `parallel` can be aborted by a client (server.md, "
+                  "\"Limits and guarantees\").", "",
+                  thread_model_table(out["threads"]), ""]
     if "hotpath" in out:
         parts += ["## The read path without nbdkit", "",
                   "`bench/hotpath.py`: the Device nbdkit would build, called from one thread "
@@ -351,6 +400,8 @@ def main() -> int:
         run_scaling(cfg, out)
     if "knobs" in cfg.sections:
         run_knobs(cfg, image, out)
+    if "threads" in cfg.sections:
+        out["threads"] = run_thread_models(image, max(1.0, cfg.runtime / 2))
     if "hotpath" in cfg.sections:
         say("hot path without nbdkit (bench/hotpath.py)")
         out["hotpath"] = hotpath.table(hotpath.measure(str(image.data), str(image.hash),

@@ -2,12 +2,21 @@
 
 Policy (after dm-bufio's hash_verified flag and nbdkit's cache filter): only a block whose
 digest matched its slot in an already verified parent (or the root) is ever stored.
-Levels above 0 are small (a 1 TiB device with 4 KiB blocks and SHA-256 has 64 MiB of
-level 1) and are kept for the life of the server. Level 0 holds over 99% of the tree and
-lives in an LRU bounded by a byte budget, so memory does not grow with the device.
+Every cached block of every level counts against one byte budget (`cache-size`), so memory
+is bounded whatever the device size. Upper levels are preferred: each level has its own
+LRU, and when the budget is full the least recently used block of the lowest level that
+holds any is evicted first (level 0 before level 1, and so on). Upper levels are small and
+every read needs them (a 1 TiB device with 4 KiB blocks and SHA-256 has 64 MiB of level 1
+and 256 KiB above), so keeping them keeps the cost of a level-0 miss at one hash read. On
+a device whose upper levels alone exceed the budget (a 64 TiB one has 4 GiB of level 1),
+level 0 is not cached at all and level 1 churns: slower, never larger.
 
-The lock guards the two dictionaries and the LRU order; it is held only for dictionary
-operations, never during I/O or hashing. Counters are updated under the same lock.
+The budget counts the hash bytes; each entry also costs about 100 bytes of Python objects
+(a bytes header and a dictionary slot), 2.5% of a 4 KiB block (docs/server.md, "Limits").
+
+The lock guards the per-level dictionaries, their LRU order and the byte count; it is
+held only for dictionary operations, never during I/O or hashing. Counters are updated
+under the same lock.
 """
 
 from __future__ import annotations
@@ -15,53 +24,68 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
-DEFAULT_CACHE_SIZE = 64 << 20  # bytes of level-0 blocks (covers 8 GiB of data at 4K/SHA-256)
+DEFAULT_CACHE_SIZE = 64 << 20  # bytes of hash blocks, all levels (8 GiB of data at 4K/SHA-256)
 
 
 class HashBlockCache:
-    """Verified hash blocks by absolute block number; level 0 in a bounded LRU."""
+    """Verified hash blocks by absolute block number, all levels in one byte budget."""
 
     def __init__(self, hash_block_size: int, cache_size: int = DEFAULT_CACHE_SIZE) -> None:
-        self.capacity = max(1, cache_size // hash_block_size)  # level-0 blocks kept
-        self._upper: dict[int, bytes] = {}
-        self._leaves: OrderedDict[int, bytes] = OrderedDict()
+        self.capacity = max(1, cache_size // hash_block_size)  # blocks kept, all levels
+        self.budget_size = self.capacity * hash_block_size
+        self._levels: list[OrderedDict[int, bytes]] = []  # index = tree level
+        self._level_of: dict[int, int] = {}  # block -> its level
         self._lock = threading.Lock()
+        self.evictions = 0
         self.hits = 0
         self.misses = 0
 
     def get(self, block: int) -> bytes | None:
         """A verified block, or None; counts a hit or a miss."""
         with self._lock:
-            data = self._upper.get(block)
-            if data is None:
-                data = self._leaves.get(block)
-                if data is not None:
-                    self._leaves.move_to_end(block)
-            if data is None:
+            level = self._level_of.get(block)
+            if level is None:
                 self.misses += 1
-            else:
-                self.hits += 1
-            return data
+                return None
+            blocks = self._levels[level]
+            blocks.move_to_end(block)
+            self.hits += 1
+            return blocks[block]
 
     def contains(self, block: int) -> bool:
         """Whether a block is cached, without touching the LRU order or the counters."""
         with self._lock:
-            return block in self._upper or block in self._leaves
+            return block in self._level_of
 
     def put(self, block: int, level: int, data: bytes) -> None:
-        """Store a block that has just been verified."""
+        """Store a block that has just been verified, evicting lower levels first."""
         with self._lock:
-            if level > 0:
-                self._upper[block] = data
+            while len(self._levels) <= level:
+                self._levels.append(OrderedDict())
+            if block not in self._level_of:
+                self._level_of[block] = level
+            self._levels[level][block] = data
+            self._levels[level].move_to_end(block)
+            while len(self._level_of) > self.capacity:
+                self._evict_one()
+
+    def _evict_one(self) -> None:
+        """Drop the least recently used block of the lowest level holding any (locked)."""
+        for blocks in self._levels:
+            if blocks:
+                victim, _ = blocks.popitem(last=False)
+                del self._level_of[victim]
+                self.evictions += 1
                 return
-            self._leaves[block] = data
-            self._leaves.move_to_end(block)
-            while len(self._leaves) > self.capacity:
-                self._leaves.popitem(last=False)
+
+    def level_counts(self) -> list[int]:
+        """Blocks cached per level, level 0 first."""
+        with self._lock:
+            return [len(blocks) for blocks in self._levels]
 
     def reset_counters(self) -> None:
         with self._lock:
-            self.hits = self.misses = 0
+            self.hits = self.misses = self.evictions = 0
 
     def __len__(self) -> int:
-        return len(self._upper) + len(self._leaves)
+        return len(self._level_of)

@@ -15,11 +15,16 @@ from dataclasses import dataclass, field, fields
 from .cache import DEFAULT_CACHE_SIZE
 from .digest import parse_salt
 from .errors import ConfigError
+from .logbound import DEFAULT_LOG_RATE
 from .roothash import root_hash_text
 
 MODES = ("eio", "ignore-corruption", "restart-on-corruption")  # dm-verity's error modes
 
 READAHEAD_MIN_SIZE = 128 << 10  # a request this large triggers Merkle readahead
+# nbdkit thread models by name. SERIALIZE_REQUESTS is the default: requests of one
+# connection in order, connections in parallel (multi-conn is advertised). PARALLEL can be
+# aborted by a client on nbdkit 1.32.4-1.33.9 (nbd_verity/nbdkit_compat.py).
+THREAD_MODELS = ("serialize-requests", "serialize-all-requests", "parallel")
 
 _SUFFIXES = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
@@ -89,6 +94,17 @@ class ServerConfig:
     root_hash_signature: str | None = None  # DER PKCS#7, or a verity.sig JSON file
     trusted_certs: str | None = None  # a PEM file or a directory; None: verity.d places
     require_signatures: bool = False  # the kernel's require_signatures: no start unsigned
+    thread_model: str = "serialize-requests"
+    log_rate: int = DEFAULT_LOG_RATE
+
+    def __post_init__(self) -> None:
+        if self.serialize and self.thread_model == "parallel":
+            raise ConfigError("serialize: true conflicts with thread-model=parallel")
+
+    @property
+    def effective_thread_model(self) -> str:
+        """serialize=true is serialize-all-requests; otherwise thread-model decides."""
+        return "serialize-all-requests" if self.serialize else self.thread_model
 
 
 def _text(key: str, text: str) -> str:
@@ -159,6 +175,8 @@ KEYS = (
     Key("root-hash-signature", "root_hash_signature", absolute_file, "root_hash_signature"),
     Key("trusted-certs", "trusted_certs", absolute_file, "trusted_certs"),
     Key("require-signatures", "require_signatures", parse_bool, "require_signatures"),
+    Key("thread-model", "thread_model", _choice(THREAD_MODELS), "thread_model"),
+    Key("log-rate", "log_rate", lambda k, v: parse_int(k, v, 0), "log_rate"),
 )
 _BY_NAME = {key.name: key for key in KEYS}
 _DEFAULTS = {f.name: f.default for f in fields(ServerConfig)}
@@ -204,8 +222,9 @@ class ConfigBuilder:
         self.thresholds: dict[str, str] = {}
 
     def add(self, key: str, value: str) -> None:
-        if key not in _BY_NAME:
-            raise ConfigError(f"unknown parameter: {key}")
+        if key not in _BY_NAME:  # quoted only when it would not print as one line
+            shown = key if key.isprintable() else repr(key)
+            raise ConfigError(f"unknown parameter: {shown}")
         spec = _BY_NAME[key]
         parsed = spec.parse(key, value)
         if spec.target == "thresholds":

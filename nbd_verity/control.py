@@ -22,15 +22,20 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import selectors
 import socket
 import stat
 import struct
 import threading
+import time
 
 from .errors import ConfigError, VerityError
 
-MAX_LINE = 64 << 10
-MAX_CLIENTS = 8
+MAX_LINE = 64 << 10  # bytes of one request line
+MAX_DEPTH = 16  # JSON nesting of a request (requests need 2)
+MAX_CLIENTS = 64  # connected at once; the longest idle one makes room for a new one
+MAX_PENDING_REPLY = 1 << 20  # bytes of replies a client may leave unread
+IDLE_TIMEOUT = 10.0  # seconds a client may stay silent before the server closes it
 CLIENT_TIMEOUT = 10.0  # seconds a client waits for the server's reply
 
 
@@ -62,16 +67,22 @@ def exchange(path: str | os.PathLike, payload: bytes, timeout: float = CLIENT_TI
 
 def request(path: str | os.PathLike, message: dict, timeout: float = CLIENT_TIMEOUT) -> dict:
     """One request, its decoded reply (ok or not); VerityError when there is none."""
+    where = f"control: {os.fspath(path)}"
     try:
         reply = exchange(path, json.dumps(message).encode() + b"\n", timeout)
+    except TimeoutError:
+        raise VerityError(f"{where}: no reply within {timeout:g} s (server busy or "
+                          f"stopped?)") from None
     except OSError as e:
-        raise VerityError(f"control: {os.fspath(path)}: {e.strerror or e}") from None
+        raise VerityError(f"{where}: {e.strerror or e}") from None
+    if not reply:
+        raise VerityError(f"{where}: the server closed the connection without a reply")
     try:
         answer = json.loads(reply)
     except ValueError:
         answer = None
     if not isinstance(answer, dict):
-        raise VerityError(f"control: {os.fspath(path)}: no valid reply")
+        raise VerityError(f"{where}: no valid reply")
     return answer
 
 
@@ -108,6 +119,31 @@ def _field(request: dict, name: str, kind, default=None):
     return value
 
 
+def nesting_depth(line: bytes) -> int:
+    """The deepest nesting of JSON arrays and objects in line, brackets inside strings
+    not counted (a scan, so that no parser recursion is needed to refuse a deep one)."""
+    if line.count(b"[") + line.count(b"{") <= MAX_DEPTH:
+        return 0  # cannot be deeper than that: the common case, no scan
+    depth = deepest = 0
+    in_string = escaped = False
+    for byte in line:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif byte == 0x5C:  # backslash
+                escaped = True
+            elif byte == 0x22:  # quote
+                in_string = False
+        elif byte == 0x22:
+            in_string = True
+        elif byte in (0x5B, 0x7B):  # [ {
+            depth += 1
+            deepest = max(deepest, depth)
+        elif byte in (0x5D, 0x7D):  # ] }
+            depth -= 1
+    return deepest
+
+
 class Control:
     """Answers control requests against one Device (no sockets here)."""
 
@@ -116,16 +152,25 @@ class Control:
         self._lock = threading.Lock()
 
     def handle_line(self, line: bytes) -> dict:
+        """The reply to one request line: never raises, whatever the line holds."""
+        if nesting_depth(line) > MAX_DEPTH:
+            return {"ok": False, "error": f"nesting deeper than {MAX_DEPTH} levels"}
         try:
             request = json.loads(line)
         except (ValueError, UnicodeDecodeError) as e:
             return {"ok": False, "error": f"malformed JSON: {e}"}
+        except RecursionError:  # unreachable after nesting_depth; kept as the last guard
+            return {"ok": False, "error": f"nesting deeper than {MAX_DEPTH} levels"}
         if not isinstance(request, dict):
             return {"ok": False, "error": "a request must be a JSON object"}
         try:
             return {"ok": True, **self.handle(request)}
         except VerityError as e:
             return {"ok": False, "error": str(e)}
+        except Exception as e:  # a bug: one reply and one log line, never a dead thread
+            from .log import log
+            log(f"control: {type(e).__name__}: {e}")
+            return {"ok": False, "error": f"internal error: {type(e).__name__}"}
 
     def handle(self, request: dict) -> dict:
         command = _field(request, "cmd", str)
@@ -167,79 +212,169 @@ class Control:
 
 
 class ControlServer:
-    """A Unix socket serving Control to local peers of the right uid."""
+    """A Unix socket serving Control to local peers of the right uid.
+
+    One thread multiplexes every client (selectors): nothing is held per client but its
+    socket and buffers, so there is no per-client thread to run out of. A client that
+    sends nothing for IDLE_TIMEOUT seconds is closed, and when MAX_CLIENTS are connected
+    the longest idle one is closed to make room: a new client is always served, however
+    many idle ones sit on the socket. A line over MAX_LINE gets an error reply and the
+    connection is closed; so is a client that leaves MAX_PENDING_REPLY bytes of replies
+    unread. Requests are answered in order, each one completely before the next."""
 
     def __init__(self, path: str, control: Control) -> None:
         self.path = path
         self.control = control
         self.sock = _bind_private(path)
-        self._slots = threading.BoundedSemaphore(MAX_CLIENTS)
+        self.sock.setblocking(False)
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._stopping = False
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._accept_loop, name="control", daemon=True)
+        self._thread = threading.Thread(target=self._loop, name="control", daemon=True)
         self._thread.start()
 
     def close(self) -> None:
+        self._stopping = True
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"x")
+        if self._thread is not None:
+            self._thread.join(2.0)
         try:
             self.sock.close()
         finally:
+            self._wake_r.close()
+            self._wake_w.close()
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
 
-    def _accept_loop(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return  # closed at cleanup
-            if not self._slots.acquire(blocking=False):
-                _send(conn, {"ok": False, "error": "too many control clients"})
-                conn.close()
-                continue
-            threading.Thread(target=self._serve_client, args=(conn,), daemon=True).start()
-
-    def _serve_client(self, conn: socket.socket) -> None:
+    def _loop(self) -> None:
+        selector = selectors.DefaultSelector()
+        selector.register(self.sock, selectors.EVENT_READ, None)
+        selector.register(self._wake_r, selectors.EVENT_READ, None)
+        clients: dict[socket.socket, _Client] = {}
         try:
-            with conn:
-                if not _peer_allowed(conn):
-                    _send(conn, {"ok": False, "error": "permission denied: uid not allowed"})
-                    return
-                for line in _lines(conn):
-                    if line is None:
-                        _send(conn, {"ok": False, "error": f"line longer than {MAX_LINE} bytes"})
-                        return
-                    _send(conn, self.control.handle_line(line))
-        except OSError:
-            pass  # the client went away
+            while not self._stopping:
+                for key, events in selector.select(timeout=1.0):
+                    if key.fileobj is self.sock:
+                        self._accept(selector, clients)
+                    elif key.fileobj is not self._wake_r:
+                        client = clients.get(key.fileobj)
+                        if client is not None:
+                            self._service(client, events)
+                            self._settle(selector, clients, client)
+                now = time.monotonic()
+                for client in [c for c in clients.values()
+                               if now - c.last_active > IDLE_TIMEOUT]:
+                    self._drop(selector, clients, client)
         finally:
-            self._slots.release()
+            for client in list(clients.values()):
+                self._drop(selector, clients, client)
+            selector.close()
 
+    def _accept(self, selector, clients: dict) -> None:
+        try:
+            conn, _ = self.sock.accept()
+        except OSError:
+            return  # nothing to accept after all, or closed at cleanup
+        conn.setblocking(False)
+        if len(clients) >= MAX_CLIENTS:  # make room: the longest idle client goes
+            oldest = min(clients.values(), key=lambda c: c.last_active)
+            self._drop(selector, clients, oldest)
+        client = _Client(conn)
+        clients[conn] = client
+        selector.register(conn, selectors.EVENT_READ, None)
+        if not _peer_allowed(conn):
+            client.reply({"ok": False, "error": "permission denied: uid not allowed"})
+            client.closing = True
+            client.flush()
+        self._settle(selector, clients, client)
 
-def _lines(conn: socket.socket):
-    """Yield request lines (without newline) until EOF; None for an overlong line."""
-    pending = b""
-    while True:
-        data = conn.recv(65536)
-        if not data:
-            if pending.strip():
-                yield pending
+    def _service(self, client: _Client, events: int) -> None:
+        """Read what the client sent and answer each complete line; write pending replies."""
+        if events & selectors.EVENT_READ and not (client.closing or client.eof):
+            try:
+                data = client.conn.recv(65536)
+            except BlockingIOError:
+                data = None
+            except OSError:
+                client.broken = True
+                return
+            if data == b"":
+                client.eof = True
+            elif data:
+                client.last_active = time.monotonic()
+                client.pending += data
+            for line in client.take_lines():
+                if line is None:
+                    client.reply({"ok": False, "error": f"line longer than {MAX_LINE} bytes"})
+                    client.closing = True
+                    break
+                client.reply(self.control.handle_line(line))
+        client.flush()
+
+    def _settle(self, selector, clients: dict, client: _Client) -> None:
+        """Close a client that is done; otherwise wait for what it needs next."""
+        done = (client.closing or client.eof) and not client.out
+        if done or client.broken or len(client.out) > MAX_PENDING_REPLY:
+            self._drop(selector, clients, client)
             return
-        pending += data
-        while b"\n" in pending:
-            line, pending = pending.split(b"\n", 1)
+        events = selectors.EVENT_WRITE if client.out else 0
+        if not (client.closing or client.eof):
+            events |= selectors.EVENT_READ
+        selector.modify(client.conn, events, None)
+
+    @staticmethod
+    def _drop(selector, clients: dict, client: _Client) -> None:
+        clients.pop(client.conn, None)
+        with contextlib.suppress(KeyError, ValueError):
+            selector.unregister(client.conn)
+        client.conn.close()
+
+
+class _Client:
+    """One control connection: what it sent that is not a full line yet, and what we owe."""
+
+    def __init__(self, conn: socket.socket) -> None:
+        self.conn = conn
+        self.pending = b""
+        self.out = b""
+        self.eof = self.closing = self.broken = False
+        self.last_active = time.monotonic()
+
+    def take_lines(self):
+        """Complete request lines (without newline); None for an overlong one. At EOF an
+        unterminated last line counts too."""
+        while b"\n" in self.pending:
+            line, self.pending = self.pending.split(b"\n", 1)
             if len(line) > MAX_LINE:
                 yield None
                 return
             if line.strip():
                 yield line
-        if len(pending) > MAX_LINE:
+        if len(self.pending) > MAX_LINE:
             yield None
             return
+        if self.eof and self.pending.strip():
+            line, self.pending = self.pending, b""
+            yield line
 
+    def reply(self, message: dict) -> None:
+        self.out += json.dumps(message, separators=(",", ":")).encode() + b"\n"
 
-def _send(conn: socket.socket, reply: dict) -> None:
-    conn.sendall(json.dumps(reply, separators=(",", ":")).encode() + b"\n")
+    def flush(self) -> None:
+        if not self.out:
+            return
+        try:
+            sent = self.conn.send(self.out)
+        except BlockingIOError:
+            return
+        except OSError:
+            self.broken = True
+            return
+        self.out = self.out[sent:]
+        self.last_active = time.monotonic()
 
 
 def _peer_allowed(conn: socket.socket) -> bool:
@@ -275,5 +410,5 @@ def _bind_private(path: str) -> socket.socket:
     finally:
         os.umask(old_mask)
     os.chmod(path, 0o600)
-    sock.listen(MAX_CLIENTS)
+    sock.listen(128)
     return sock

@@ -95,7 +95,7 @@ class Device:
         """Everything the control socket's `stats` reports."""
         totals = self.verifier.counters.snapshot()
         totals.update(cache_hits=self.cache.hits, cache_misses=self.cache.misses,
-                      cached_hash_blocks=len(self.cache))
+                      cached_hash_blocks=len(self.cache), cache_evictions=self.cache.evictions)
         return {"classes": self.dispatcher.stats.snapshot(), "totals": totals,
                 **self.status(), "thresholds": table_dict(self.dispatcher.table),
                 "workers": self.dispatcher.workers,

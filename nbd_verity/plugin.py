@@ -5,6 +5,11 @@ nbdkit at this file itself so that an installed package needs no file outside it
 callback is a few lines that delegate to nbd_verity.device and translate errors at this
 edge: corruption and I/O errors become EIO via nbdkit.set_error, and under
 restart-on-corruption a corruption also stops the server (see _restart).
+
+A failed request is raised by nbdkit_compat.FailureRaiser, outside any `except` block, so
+that nbdkit 1.32's leak of every failed callback's exception costs nothing (see there);
+requests above the advertised maximum fail with EINVAL before any work. The thread model
+is SERIALIZE_REQUESTS unless configured otherwise (nbdkit_compat: the disconnect race).
 """
 
 import ctypes
@@ -16,7 +21,7 @@ import traceback
 
 import nbdkit
 
-from nbd_verity import device
+from nbd_verity import device, logbound, nbdkit_compat
 from nbd_verity.config import ConfigBuilder
 from nbd_verity.errors import ConfigError, CorruptionError, ImageIOError, VerityError
 from nbd_verity.limits import MAX_REQUEST_SIZE
@@ -33,6 +38,9 @@ _builder = ConfigBuilder()
 _device = None
 _restart_requested = threading.Event()
 _format_exception = traceback.format_exception
+_failures: nbdkit_compat.FailureRaiser | None = None
+_failed_reads = [0]  # requests answered with an error, for the log summary
+_failed_lock = threading.Lock()
 
 
 def _one_line(exc, value=None, tb=None, **kwargs):
@@ -75,14 +83,27 @@ def _restart():
 
 
 def _exit_for_restart():
+    logbound.uninstall()
     sys.stderr.flush()
     os._exit(EXIT_RESTART)
 
 
+_THREAD_MODELS = {
+    "serialize-requests": nbdkit.THREAD_MODEL_SERIALIZE_REQUESTS,
+    "serialize-all-requests": nbdkit.THREAD_MODEL_SERIALIZE_ALL_REQUESTS,
+    "parallel": nbdkit.THREAD_MODEL_PARALLEL,
+}
+
+
 def thread_model():
-    if _config.serialize:
-        return nbdkit.THREAD_MODEL_SERIALIZE_ALL_REQUESTS
-    return nbdkit.THREAD_MODEL_PARALLEL
+    name = _config.effective_thread_model
+    if name == "parallel":
+        version = nbdkit_compat.nbdkit_version()
+        if nbdkit_compat.has_send_race(version):
+            log(f"thread-model=parallel: nbdkit {nbdkit_compat.version_text(version)} aborts "
+                f"when a client disconnects with requests in flight (fixed in nbdkit 1.34.0):"
+                f" any client can stop this server")
+    return _THREAD_MODELS[name]
 
 
 def config(key, value):
@@ -90,8 +111,12 @@ def config(key, value):
 
 
 def config_complete():
-    global _config
+    global _config, _failures
     _config = _builder.build()
+    version = nbdkit_compat.nbdkit_version()
+    _failures = nbdkit_compat.FailureRaiser(nbdkit.set_error,
+                                            nbdkit_compat.leaks_failures(version), _one_line)
+    _failures.install()
 
 
 def get_ready():
@@ -103,10 +128,17 @@ def get_ready():
 
 
 def after_fork():
+    logbound.install(_config.log_rate, _log_totals)
     _device.start_threads()
 
 
+def _log_totals():
+    """(corruptions, failed reads) so far, for the log summary."""
+    return _device.verifier.counters.corruptions, _failed_reads[0]
+
+
 def cleanup():
+    logbound.uninstall()
     if _device is not None:
         _device.close()
         if _restart_requested.is_set():
@@ -114,11 +146,12 @@ def cleanup():
 
 
 def open(readonly):
+    problem = None
     try:
         return device.Connection.open(_device)
-    except ConfigError:  # an unknown class in the export name
-        nbdkit.set_error(errno.EINVAL)
-        raise
+    except ConfigError as e:  # an unknown class in the export name
+        problem = str(e)
+    _failures.fail(errno.EINVAL, problem)  # outside the except block: nothing kept
 
 
 def get_size(h):
@@ -146,17 +179,35 @@ def is_rotational(h):
 
 
 def pread(h, buf, offset, flags):
+    problem = _read(h, buf, offset)
+    if problem is not None:
+        with _failed_lock:
+            _failed_reads[0] += 1
+        _failures.fail(*problem)  # outside any except block: see nbdkit_compat
+
+
+def _read(h, buf, offset):
+    """Verify into buf; None, or (errno, message) for a request that fails."""
+    if len(buf) > MAX_REQUEST_SIZE:  # nbdkit 1.32 does not enforce block_size's maximum
+        return errno.EINVAL, f"read of {len(buf)} bytes exceeds the maximum {MAX_REQUEST_SIZE}"
     try:
         h.read(memoryview(buf), offset)
-    except CorruptionError:
-        nbdkit.set_error(errno.EIO)
+    except CorruptionError as e:
         if _config.mode == "restart-on-corruption":
             _restart()
-        raise
-    except ImageIOError:
-        nbdkit.set_error(errno.EIO)
-        raise
+        return errno.EIO, str(e)
+    except ImageIOError as e:
+        return errno.EIO, str(e)
+    return None
 
 
 def cache(h, count, offset, flags):
-    h.cache(count, offset)
+    """NBD_CMD_CACHE in pieces of the largest request: its work stays bounded."""
+    problem = None
+    try:
+        for start in range(offset, offset + count, MAX_REQUEST_SIZE):
+            h.cache(min(MAX_REQUEST_SIZE, offset + count - start), start)
+    except VerityError as e:
+        problem = str(e)
+    if problem is not None:
+        _failures.fail(errno.EIO, problem)

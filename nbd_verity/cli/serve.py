@@ -42,7 +42,13 @@ from .common import edge, image_arguments
 @click.option("--default-class", default=None, metavar="CLASS",
               help="Class of connections that name none (default be).")
 @click.option("--serialize/--parallel", default=None,
-              help="One request in Python at a time (nbdkit serialises), or many.")
+              help="One request in Python at a time (thread model serialize-all-requests), "
+                   "or nbdkit's parallel model (a client can abort nbdkit < 1.34).")
+@click.option("--thread-model", default=None,
+              type=click.Choice(["serialize-requests", "serialize-all-requests", "parallel"]),
+              help="nbdkit thread model (default serialize-requests).")
+@click.option("--log-rate", type=click.IntRange(0), default=None, metavar="LINES",
+              help="Log lines a minute before a summary (default 120; 0: no limit).")
 @edge
 def serve_cmd(ignore_corruption, restart_on_corruption, unix, port, bind, threads, pid_file,
               exit_with_parent, verbose, **options) -> None:
@@ -52,6 +58,10 @@ def serve_cmd(ignore_corruption, restart_on_corruption, unix, port, bind, thread
     from ..launch import exec_server
     if ignore_corruption and restart_on_corruption:
         raise click.UsageError("--ignore-corruption and --restart-on-corruption conflict")
+    if options.get("serialize") is False:  # --parallel: nbdkit's parallel thread model
+        if options.get("thread_model") not in (None, "parallel"):
+            raise click.UsageError("--parallel conflicts with --thread-model")
+        options["serialize"], options["thread_model"] = None, "parallel"
     options["error_mode"] = ("ignore-corruption" if ignore_corruption else
                              "restart-on-corruption" if restart_on_corruption else None)
     exec_server(plugin_pairs(options),

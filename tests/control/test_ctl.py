@@ -163,7 +163,7 @@ def unreachable(tmp_path):
 @pytest.mark.parametrize(("kind", "phrase"), [
     ("missing", "No such file or directory"),
     ("stale", "Connection refused"),
-    ("mute", "no valid reply"),
+    ("mute", "the server closed the connection without a reply"),
     ("garbage", "no valid reply"),
 ])
 def test_unreachable_control_is_one_line(unreachable, kind, phrase):

@@ -1,0 +1,62 @@
+"""Pure parts of the hostile-client defences: the log rate limit and its summary, and the
+nbdkit version rules (nbdkit_compat)."""
+
+from __future__ import annotations
+
+import os
+
+from nbd_verity import logbound
+from nbd_verity.nbdkit_compat import has_send_race, leaks_failures, parse_version
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_rate_limit_counts_what_it_holds_back_and_rolls_per_window():
+    clock = Clock()
+    limit = logbound.RateLimit(3, 60.0, clock)
+    assert [limit.admit() for _ in range(5)] == [True, True, True, False, False]
+    clock.now = 59.9
+    assert limit.roll() is None
+    clock.now = 60.0
+    assert limit.roll() == (2, 60.0)
+    assert limit.admit()
+
+
+def test_summary_line_of_a_window_with_lines_held_back():
+    totals = iter([(0, 0), (57, 1203)])
+    bounded = logbound.BoundedLog(2, lambda: next(totals))
+    clock = Clock()
+    bounded.limit = logbound.RateLimit(2, 60.0, clock)
+    read_fd, write_fd = os.pipe()
+    bounded.out_fd = write_fd
+    for n in range(5):
+        bounded.emit(f"nbd-verity: line {n}\n")
+    clock.now = 61.0
+    bounded.emit("nbd-verity: next window\n")
+    os.close(write_fd)
+    with os.fdopen(read_fd, "rb") as f:
+        out = f.read().decode().splitlines()
+    assert out == ["nbd-verity: line 0", "nbd-verity: line 1",
+                   "nbd-verity: 57 more corruptions, 1203 failed reads in the last 61 s; 3 log"
+                   " lines not shown (log-rate=2 a minute)", "nbd-verity: next window"]
+
+
+def test_nbdkit_error_lines_are_limited_and_others_pass():
+    assert logbound.NBDKIT_ERROR.match(b"nbdkit: python[4]: error: write reply: x: Broken pipe")
+    assert logbound.NBDKIT_ERROR.match(b"nbdkit: python[1]: error: /p/plugin.py: pread: error: x")
+    assert not logbound.NBDKIT_ERROR.match(b"nbdkit: python[1]: debug: python: pread")
+
+
+def test_nbdkit_versions():
+    assert parse_version("binary=/usr/bin/nbdkit\nversion=1.32.5\n") == (1, 32, 5)
+    assert parse_version("") is None
+    assert has_send_race((1, 32, 5)) and has_send_race((1, 33, 9)) and has_send_race(None)
+    assert not has_send_race((1, 34, 0)) and not has_send_race((1, 30, 0))
+    assert leaks_failures((1, 32, 5)) and not leaks_failures((1, 34, 0))
+    assert not leaks_failures(None)  # unknown: no Py_DecRef, only frames cleared
