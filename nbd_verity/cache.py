@@ -6,14 +6,19 @@ Levels above 0 are small (a 1 TiB device with 4 KiB blocks and SHA-256 has 64 Mi
 level 1) and are kept for the life of the server. Level 0 holds over 99% of the tree and
 lives in an LRU bounded by a byte budget, so memory does not grow with the device.
 
-The lock guards the two dictionaries and the LRU order; it is held only for dictionary
-operations, never during I/O or hashing. Counters are updated under the same lock.
+The lock serialises the writers (put, which inserts and evicts); it is held only for
+dictionary operations, never during I/O or hashing. A look-up takes no lock: each
+dictionary operation is atomic under the GIL, and a block evicted between the look-up
+and its move to the LRU's end was verified all the same (the move is then skipped).
+Hits and misses are counted per thread (tally.py), without a lock.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+
+from .tally import Tally
 
 DEFAULT_CACHE_SIZE = 64 << 20  # bytes of level-0 blocks (covers 8 GiB of data at 4K/SHA-256)
 
@@ -26,27 +31,32 @@ class HashBlockCache:
         self._upper: dict[int, bytes] = {}
         self._leaves: OrderedDict[int, bytes] = OrderedDict()
         self._lock = threading.Lock()
-        self.hits = 0
-        self.misses = 0
+        self._tally = Tally(2)  # hits, misses
 
     def get(self, block: int) -> bytes | None:
         """A verified block, or None; counts a hit or a miss."""
-        with self._lock:
-            data = self._upper.get(block)
-            if data is None:
-                data = self._leaves.get(block)
-                if data is not None:
+        data = self._upper.get(block)
+        if data is None:
+            data = self._leaves.get(block)
+            if data is not None:
+                try:
                     self._leaves.move_to_end(block)
-            if data is None:
-                self.misses += 1
-            else:
-                self.hits += 1
-            return data
+                except KeyError:  # evicted meanwhile by another thread's put
+                    pass
+        self._tally.row()[data is None] += 1
+        return data
+
+    @property
+    def hits(self) -> int:
+        return self._tally.totals()[0]
+
+    @property
+    def misses(self) -> int:
+        return self._tally.totals()[1]
 
     def contains(self, block: int) -> bool:
         """Whether a block is cached, without touching the LRU order or the counters."""
-        with self._lock:
-            return block in self._upper or block in self._leaves
+        return block in self._upper or block in self._leaves
 
     def put(self, block: int, level: int, data: bytes) -> None:
         """Store a block that has just been verified."""
@@ -60,8 +70,7 @@ class HashBlockCache:
                 self._leaves.popitem(last=False)
 
     def reset_counters(self) -> None:
-        with self._lock:
-            self.hits = self.misses = 0
+        self._tally.reset()
 
     def __len__(self) -> int:
         return len(self._upper) + len(self._leaves)
