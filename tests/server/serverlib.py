@@ -42,10 +42,21 @@ STOP_TIMEOUT = 10.0
 MIB = 1 << 20
 
 
-def server_env() -> dict:
-    """nbdkit runs plugin.py without its folder on sys.path: PYTHONPATH finds nbd_verity."""
+# The hashing engines a server can run on (nbd_verity.digest): servers run on the engine
+# of the `engine` fixture, native unless the test run itself has NBD_VERITY_PURE=1.
+ENGINES = ("native", "python")
+PURE_ENV = "NBD_VERITY_PURE"
+DEFAULT_ENGINE = "python" if os.environ.get(PURE_ENV, "") not in ("", "0") else "native"
+
+
+def server_env(engine: str = DEFAULT_ENGINE) -> dict:
+    """nbdkit runs plugin.py without its folder on sys.path: PYTHONPATH finds nbd_verity.
+    NBD_VERITY_PURE=1 forces the pure-Python engine; without it the native one runs."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PROJECT), env.get("PYTHONPATH")) if p)
+    env.pop(PURE_ENV, None)
+    if engine == "python":
+        env[PURE_ENV] = "1"
     return env
 
 
@@ -243,8 +254,10 @@ def close_handle(h) -> None:
 class Server:
     """One nbdkit process on a Unix socket: started in the foreground, stopped by pid."""
 
-    def __init__(self, argv: list[str], socket_path: str, pid_file: str, log_path: Path):
+    def __init__(self, argv: list[str], socket_path: str, pid_file: str, log_path: Path,
+                 engine: str = DEFAULT_ENGINE):
         self.argv = argv
+        self.engine = engine
         self.socket = socket_path
         self.pid_file = pid_file
         self.log_path = log_path
@@ -252,7 +265,7 @@ class Server:
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
         try:
             self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=self._log,
-                                         stderr=subprocess.STDOUT, env=server_env())
+                                         stderr=subprocess.STDOUT, env=server_env(engine))
         except OSError:
             self._log.close()
             raise
@@ -292,6 +305,12 @@ class Server:
 
     def alive(self) -> bool:
         return self.proc.poll() is None
+
+    def loaded_native(self) -> bool:
+        """Whether the server process has nbd_verity's compiled module mapped (the pure
+        engine never imports it)."""
+        maps = Path(f"/proc/{self.pid}/maps").read_text()
+        return "nbd_verity/_native." in maps
 
     def wait(self, timeout: float = STOP_TIMEOUT) -> int:
         return self.proc.wait(timeout=timeout)
