@@ -1,11 +1,12 @@
-"""Where releasing the GIL pays in nbd_verity._native: runs of N blocks, T threads.
+"""Where releasing the GIL pays in nbd_verity._native, measured under a real nbdkit.
 
-Each thread loops over "a request": some Python work (the bookkeeping a request costs in
-the server, about PY_US microseconds) and one native verify() of a run of N 4 KiB blocks,
-with the GIL released for every run (release_size 0) or never (release_size huge). The
-figure is hashed MB/s summed over the threads, best of REPEAT; the threshold is the
-smallest run for which releasing wins at every thread count above one.
-Usage: python bench/native_gil.py [SECONDS_PER_POINT]  (default 1.0)
+One nbd-verity server (every request inline) per release size, all alive at once; fio
+(--ioengine=nbd, 8 jobs x QD1 random reads) runs each request size on each server in
+turn, ROUNDS times, so the machine's noise spreads over every column. Release size 0
+releases the GIL for every run, NEVER for none; NBD_VERITY_RELEASE_SIZE sets it in the
+server (nbd_verity.digest). Prints MB/s min/median/max per request size and release size.
+Usage: python bench/native_gil.py [SECONDS [ROUNDS [SIZES [RELEASE_SIZES]]]]
+       e.g. python bench/native_gil.py 3 4 4096,16384,65536,262144 0,4611686018427387904
 """
 
 from __future__ import annotations
@@ -13,74 +14,56 @@ from __future__ import annotations
 import os
 import statistics
 import sys
-import threading
-import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
 
-from nbd_verity.digest import Digester  # noqa: E402
+import fiorun  # noqa: E402
+import images  # noqa: E402
+import servers  # noqa: E402
+from fiorun import Job  # noqa: E402
+from run import prefill  # noqa: E402
 
-BLOCK = 4096
-RUNS = (1, 2, 4, 8, 16, 32, 64)
-THREADS = (1, 2, 4, 8)
-PY_US = 10  # Python work per request, microseconds (hotpath.py: inline bookkeeping)
-REPEAT = 3
+from nbd_verity.digest import RELEASE_ENV  # noqa: E402
+
 NEVER = 1 << 62
-
-
-def _python_work(us: float) -> None:
-    end = time.perf_counter() + us / 1e6
-    while time.perf_counter() < end:
-        pass
-
-
-def point(blocks: int, threads: int, release: bool, seconds: float) -> float:
-    """MB/s hashed by `threads` threads verifying runs of `blocks` blocks."""
-    digester = Digester("sha256", os.urandom(32), 1)
-    hasher = digester.native
-    hasher.release_size = 0 if release else NEVER
-    data = os.urandom(blocks * BLOCK)
-    want = hasher.slots(data, BLOCK)
-    done = [0] * threads
-    stop = threading.Event()
-
-    def loop(k: int) -> None:
-        verify, n = hasher.verify, 0
-        while not stop.is_set():
-            _python_work(PY_US)
-            if verify(data, BLOCK, want) != -1:
-                raise AssertionError("mismatch")
-            n += 1
-        done[k] = n
-
-    workers = [threading.Thread(target=loop, args=(k,)) for k in range(threads)]
-    started = time.perf_counter()
-    for w in workers:
-        w.start()
-    time.sleep(seconds)  # the measurement window itself, not a readiness barrier
-    stop.set()
-    for w in workers:
-        w.join()
-    return sum(done) * blocks * BLOCK / (time.perf_counter() - started) / 1e6
+SIZES = (4096, 16384, 32768, 65536, 131072, 262144)
 
 
 def main(argv: list[str]) -> int:
-    seconds = float(argv[0]) if argv else 1.0
-    if Digester("sha256", b"", 1).native is None:
-        print("native engine not available", file=sys.stderr)
-        return 1
-    print(f"runs of N x 4 KiB, sha256, {PY_US} us of Python per request; MB/s "
-          f"min/median/max of {REPEAT} (held -> released)")
-    print("| blocks | " + " | ".join(f"{t} threads held | {t} released" for t in THREADS) + " |")
-    print("|---" * (1 + 2 * len(THREADS)) + "|")
-    for blocks in RUNS:
-        cells = []
-        for threads in THREADS:
-            for release in (False, True):
-                xs = sorted(point(blocks, threads, release, seconds) for _ in range(REPEAT))
-                cells.append(f"{xs[0]:.0f}/{statistics.median(xs):.0f}/{xs[-1]:.0f}")
-        print(f"| {blocks} | " + " | ".join(cells) + " |", flush=True)
+    seconds = float(argv[0]) if argv else 3.0
+    rounds = int(argv[1]) if len(argv) > 1 else 3
+    sizes = [int(x) for x in argv[2].split(",")] if len(argv) > 2 else list(SIZES)
+    releases = [int(x) for x in argv[3].split(",")] if len(argv) > 3 else [0, NEVER]
+    image = images.random_image(1 << 30)
+    started = {}
+    try:
+        for release in releases:
+            os.environ[RELEASE_ENV] = str(release)
+            server = servers.verity_server(f"release {release}", image,
+                                           servers.inline_options())
+            started[release] = server.start()
+            prefill(server, image.size)
+    finally:
+        os.environ.pop(RELEASE_ENV, None)
+    mbs = {(size, release): [] for size in sizes for release in releases}
+    try:
+        for _ in range(rounds):
+            for size in sizes:
+                job = Job("randread", size, 8, 1, seconds)
+                for release, server in started.items():
+                    mbs[(size, release)].append(fiorun.run(server.uri(), job, image.size).mb_s)
+    finally:
+        for server in started.values():
+            server.stop()
+    print("| request | " + " | ".join(f"release {'never' if r == NEVER else r} MB/s"
+                                      for r in releases) + " |")
+    print("|---" * (1 + len(releases)) + "|")
+    for size in sizes:
+        cells = [mbs[(size, r)] for r in releases]
+        print(f"| {fiorun.size_label(size)} | " + " | ".join(
+            f"{min(c):.0f}/{statistics.median(c):.0f}/{max(c):.0f}" for c in cells) + " |")
     return 0
 
 

@@ -22,6 +22,9 @@ import os
 from .errors import ConfigError
 
 PURE_ENV = "NBD_VERITY_PURE"  # set to 1 to force the pure-Python engine
+# Bytes from which a native run is hashed with the GIL released (default: the module's
+# DEFAULT_RELEASE_SIZE); for measuring that threshold (bench/native_gil.py), not a setting.
+RELEASE_ENV = "NBD_VERITY_RELEASE_SIZE"
 
 
 def _load_native():
@@ -147,6 +150,8 @@ class Digester:
                        if engine == "auto" else None)
         if self.native is not None and self.native.digest_size != self.digest_size:
             self.native = None  # never trust an engine that disagrees on the digest size
+        if self.native is not None and os.environ.get(RELEASE_ENV):
+            self.native.release_size = int(os.environ[RELEASE_ENV])
         if self.native is not None:
             self.digest = self.native.digest
             self.slots_of = self.slots_of_held = self.native.slots
