@@ -35,14 +35,14 @@ class HashBlockCache:
 
     def get(self, block: int) -> bytes | None:
         """A verified block, or None; counts a hit or a miss."""
-        data = self._upper.get(block)
-        if data is None:
-            data = self._leaves.get(block)
-            if data is not None:
-                try:
-                    self._leaves.move_to_end(block)
-                except KeyError:  # evicted meanwhile by another thread's put
-                    pass
+        data = self._leaves.get(block)  # level 0 first: nearly every look-up is a leaf
+        if data is not None:
+            try:
+                self._leaves.move_to_end(block)
+            except KeyError:  # evicted meanwhile by another thread's put
+                pass
+        else:
+            data = self._upper.get(block)
         self._tally.row()[data is None] += 1
         return data
 
