@@ -130,7 +130,8 @@ class Digester:
     With the native engine, `native` is its Hasher and the public methods are the
     Hasher's own (bound once here, so a call costs no Python frame); the verifier's hot
     path calls `native.read_verify` directly. Without it, `native` is None and the
-    methods below run on hashlib."""
+    methods below run on hashlib. engine="python" asks for hashlib whatever is built
+    (the equality tests compare the two in one process)."""
 
     def __init__(self, algorithm: str, salt: bytes, hash_type: int,
                  engine: str = "auto") -> None:
@@ -146,6 +147,8 @@ class Digester:
         self._pad = bytes(self.slot_size - self.digest_size)
         if hash_type == 1:
             self._base.update(self.salt)
+        if engine not in ("auto", "python"):
+            raise ValueError(f"engine {engine!r}: not 'auto' or 'python'")
         self.native = (native_hasher(self.algorithm, self.salt, hash_type)
                        if engine == "auto" else None)
         if self.native is not None and self.native.digest_size != self.digest_size:
