@@ -37,7 +37,7 @@ class HashBlockCache:
         """A verified block, or None; counts a hit or a miss."""
         data = self._leaves.get(block)  # level 0 first: nearly every look-up is a leaf
         if data is not None:
-            try:
+            try:  # noqa: SIM105 - contextlib.suppress costs a context manager per look-up
                 self._leaves.move_to_end(block)
             except KeyError:  # evicted meanwhile by another thread's put
                 pass

@@ -16,6 +16,7 @@ import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
 from .blocks import split_request
 from .cache import HashBlockCache
@@ -44,7 +45,7 @@ class Counters:
 
     FIELDS = ("data_blocks_verified", "hash_reads", "hash_blocks_read", "corruptions",
               "readaheads", "io_errors")
-    _INDEX = {name: i for i, name in enumerate(FIELDS)}
+    _INDEX: ClassVar[dict[str, int]] = {name: i for i, name in enumerate(FIELDS)}
 
     def __init__(self) -> None:
         self._tally = Tally(len(self.FIELDS))
