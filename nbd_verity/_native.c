@@ -253,27 +253,30 @@ static PyObject *Hasher_slots(Hasher *self, PyObject *const *args, Py_ssize_t na
     if (PyObject_GetBuffer(args[0], &buf, PyBUF_SIMPLE) < 0)
         return NULL;
     PyObject *out = NULL;
+    EVP_MD_CTX *ctx = NULL;
     Py_ssize_t blocks = run_blocks(self, buf.len, block_size, NULL, 0);
-    EVP_MD_CTX *ctx = blocks < 0 ? NULL : EVP_MD_CTX_new();
-    if (ctx != NULL)
-        out = PyBytes_FromStringAndSize(NULL, blocks * self->slot_size);
-    if (out != NULL) {
-        unsigned char *dst = (unsigned char *)PyBytes_AS_STRING(out);
-        int rc;
-        if (blocks * block_size >= self->release_size) {
-            Py_BEGIN_ALLOW_THREADS
-            rc = slots_run(self, ctx, buf.buf, blocks, block_size, dst);
-            Py_END_ALLOW_THREADS
-        } else {
-            rc = slots_run(self, ctx, buf.buf, blocks, block_size, dst);
-        }
-        if (rc < 0)
-            Py_CLEAR(out);
-    }
-    if (blocks >= 0 && ctx == NULL && !PyErr_Occurred())
+    if (blocks < 0)
+        goto done;
+    if ((ctx = EVP_MD_CTX_new()) == NULL) {
         PyErr_NoMemory();
-    else if (ctx != NULL && out == NULL && !PyErr_Occurred())
+        goto done;
+    }
+    if ((out = PyBytes_FromStringAndSize(NULL, blocks * self->slot_size)) == NULL)
+        goto done;
+    unsigned char *dst = (unsigned char *)PyBytes_AS_STRING(out);
+    int rc;
+    if (blocks * block_size >= self->release_size) {
+        Py_BEGIN_ALLOW_THREADS
+        rc = slots_run(self, ctx, buf.buf, blocks, block_size, dst);
+        Py_END_ALLOW_THREADS
+    } else {
+        rc = slots_run(self, ctx, buf.buf, blocks, block_size, dst);
+    }
+    if (rc < 0) {
+        Py_CLEAR(out);
         digest_error();
+    }
+done:
     EVP_MD_CTX_free(ctx);
     PyBuffer_Release(&buf);
     return out;
@@ -378,8 +381,8 @@ static PyObject *Hasher_read_verify(Hasher *self, PyObject *const *args, Py_ssiz
     }
     unsigned char *p = buf.buf;
     size_t size = (size_t)buf.len, got = 0;
-    Py_ssize_t verdict;
     int release = buf.len >= self->release_size;
+    Py_ssize_t verdict = -1;
     if (!release) {
         /* Cached pages come back without sleeping; anything else (EAGAIN, a partial read,
          * a file system without RWF_NOWAIT) is read below with the GIL released. */
@@ -387,20 +390,16 @@ static PyObject *Hasher_read_verify(Hasher *self, PyObject *const *args, Py_ssiz
         ssize_t n = preadv2((int)fd, &iov, 1, (off_t)offset, RWF_NOWAIT);
         got = n > 0 ? (size_t)n : 0;
     }
-    if (got < size) {
+    if (release || got < size) {
         Py_BEGIN_ALLOW_THREADS
         if (read_full((int)fd, p + got, size - got, (off_t)offset + (off_t)got) < 0)
             verdict = READ_FAILED;
         else if (release)
             verdict = verify_run(self, ctx, p, blocks, block_size, expected.buf);
-        else
-            verdict = -5;  /* short run: verify below, with the GIL */
         Py_END_ALLOW_THREADS
-        if (verdict == -5)
-            verdict = verify_run(self, ctx, p, blocks, block_size, expected.buf);
-    } else {
-        verdict = verify_run(self, ctx, p, blocks, block_size, expected.buf);
     }
+    if (!release && verdict != READ_FAILED)  /* a short run: hashed with the GIL held */
+        verdict = verify_run(self, ctx, p, blocks, block_size, expected.buf);
     if (verdict == DIGEST_FAILED)
         digest_error();
     else
