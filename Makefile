@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 DEB_PACKAGES := nbdkit nbdkit-plugin-python python3-libnbd libnbd-bin fio cryptsetup-bin \
 	nbd-client python3-venv python3-asn1crypto python3-cryptography nbdfuse fuse3 e2fsprogs \
 	util-linux openssl user-mode-linux slirp socat busybox-static iproute2 systemd \
-	gcc python3-dev
+	gcc python3-dev libssl-dev
 
 .PHONY: setup demo test lint bench bench-format bench-fec e2e e2e-bench soak clean
 
@@ -13,7 +13,7 @@ setup: $(VENV)/.installed
 
 # Debian packages first (idempotent: apt only runs when one is missing), then the venv
 # from Debian's python3, which is the interpreter nbdkit embeds.
-$(VENV)/.installed: pyproject.toml setup.py nbd_verity/fec/_rs.c  # the C codec is built in place
+$(VENV)/.installed: pyproject.toml setup.py nbd_verity/_native.c nbd_verity/fec/_rs.c  # C built in place
 	@missing=$$(for p in $(DEB_PACKAGES); do dpkg-query -W -f='$${Status}' $$p 2>/dev/null \
 		| grep -q 'install ok installed' || echo $$p; done); \
 	if [ -n "$$missing" ]; then \

@@ -1,10 +1,16 @@
-"""Build the optional C codec; every other setting lives in pyproject.toml.
+"""The two optional C extensions; every other setting lives in pyproject.toml.
 
-nbd_verity.fec._rs is the Reed-Solomon encoder and decoder of FEC (nbd_verity/fec/). It is
-optional: without a compiler the package installs and uses its pure-Python codec.
+nbd_verity._native is the verification core on OpenSSL's EVP API (digest.py uses it);
+nbd_verity.fec._rs is the Reed-Solomon codec of FEC (nbd_verity/fec/). Both are
+optional=True: without a compiler or OpenSSL's headers the package still installs, and
+falls back to hashlib and to the pure-Python codec.
 """
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("nbd_verity.fec._rs", ["nbd_verity/fec/_rs.c"], optional=True,
-                             extra_compile_args=["-O3", "-std=c11", "-Wall"])])
+setup(ext_modules=[
+    Extension("nbd_verity._native", ["nbd_verity/_native.c"], libraries=["crypto"],
+              extra_compile_args=["-O2", "-Wall"], optional=True),
+    Extension("nbd_verity.fec._rs", ["nbd_verity/fec/_rs.c"], optional=True,
+              extra_compile_args=["-O3", "-std=c11", "-Wall"]),
+])

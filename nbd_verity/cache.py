@@ -14,15 +14,19 @@ level 0 is not cached at all and level 1 churns: slower, never larger.
 The budget counts the hash bytes; each entry also costs about 100 bytes of Python objects
 (a bytes header and a dictionary slot), 2.5% of a 4 KiB block (docs/server.md, "Limits").
 
-The lock guards the per-level dictionaries, their LRU order and the byte count; it is
-held only for dictionary operations, never during I/O or hashing. Counters are updated
-under the same lock.
+The lock serialises the writers (put, which inserts and evicts); it is held only for
+dictionary operations, never during I/O or hashing. A look-up takes no lock: each
+dictionary operation is atomic under the GIL, and a block evicted between the look-up
+and its move to the LRU's end was verified all the same (the move is then skipped).
+Hits and misses are counted per thread (tally.py), without a lock.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+
+from .tally import Tally
 
 DEFAULT_CACHE_SIZE = 64 << 20  # bytes of hash blocks, all levels (8 GiB of data at 4K/SHA-256)
 
@@ -36,26 +40,32 @@ class HashBlockCache:
         self._levels: list[OrderedDict[int, bytes]] = []  # index = tree level
         self._level_of: dict[int, int] = {}  # block -> its level
         self._lock = threading.Lock()
-        self.evictions = 0
-        self.hits = 0
-        self.misses = 0
+        self.evictions = 0  # under the lock
+        self._tally = Tally(2)  # hits, misses
 
     def get(self, block: int) -> bytes | None:
-        """A verified block, or None; counts a hit or a miss."""
-        with self._lock:
-            level = self._level_of.get(block)
-            if level is None:
-                self.misses += 1
-                return None
-            blocks = self._levels[level]
-            blocks.move_to_end(block)
-            self.hits += 1
-            return blocks[block]
+        """A verified block, or None; counts a hit or a miss (no lock, see above)."""
+        level = self._level_of.get(block)
+        data = None if level is None else self._levels[level].get(block)
+        if data is not None:
+            try:  # noqa: SIM105 - contextlib.suppress costs a context manager per look-up
+                self._levels[level].move_to_end(block)
+            except KeyError:  # evicted meanwhile by another thread's put
+                pass
+        self._tally.row()[data is None] += 1
+        return data
+
+    @property
+    def hits(self) -> int:
+        return self._tally.totals()[0]
+
+    @property
+    def misses(self) -> int:
+        return self._tally.totals()[1]
 
     def contains(self, block: int) -> bool:
         """Whether a block is cached, without touching the LRU order or the counters."""
-        with self._lock:
-            return block in self._level_of
+        return block in self._level_of
 
     def put(self, block: int, level: int, data: bytes) -> None:
         """Store a block that has just been verified, evicting lower levels first."""
@@ -85,7 +95,8 @@ class HashBlockCache:
 
     def reset_counters(self) -> None:
         with self._lock:
-            self.hits = self.misses = self.evictions = 0
+            self.evictions = 0
+        self._tally.reset()
 
     def __len__(self) -> int:
         return len(self._level_of)

@@ -5,15 +5,41 @@ block ‖ salt [cryptsetup lib/verity/verity_hash.c verify_hash_block, kernel ve
 For format 1 the salted prefix is absorbed once and the state copied per block, as the
 kernel does with its pre-salted initial state; hashlib releases the GIL while it hashes
 inputs of 2 KiB and more, so several threads hash blocks in parallel.
+
+Two engines compute the same bytes. The native one (nbd_verity._native, C on OpenSSL's
+EVP API) hashes a whole run of blocks in one call and releases the GIL once per run when
+the run is long enough to pay; it is used for every algorithm OpenSSL can compute. The
+pure-Python one (hashlib) is the reference, and the fallback: for an algorithm OpenSSL
+lacks, where the extension was not built, and when NBD_VERITY_PURE=1 forces it.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import os
 
 from .errors import ConfigError
 from .limits import MAX_SALT_SIZE
+
+PURE_ENV = "NBD_VERITY_PURE"  # set to 1 to force the pure-Python engine
+# Bytes from which a native run is hashed with the GIL released (default: the module's
+# DEFAULT_RELEASE_SIZE); for measuring that threshold (bench/native_gil.py), not a setting.
+RELEASE_ENV = "NBD_VERITY_RELEASE_SIZE"
+
+
+def _load_native():
+    """The compiled module, or None (not built, or the pure engine forced)."""
+    if os.environ.get(PURE_ENV, "") not in ("", "0"):
+        return None
+    try:
+        from . import _native
+    except ImportError:
+        return None
+    return _native
+
+
+_native = _load_native()
 
 # veritysetup's algorithm names mapped to hashlib's, for those hashlib has.
 _HASHLIB_NAMES = {
@@ -32,6 +58,9 @@ _HASHLIB_NAMES = {
     "ripemd160": "ripemd160",
     "sm3": "sm3",
 }
+
+# OpenSSL's names where they differ from veritysetup's (the others are spelt alike).
+_OPENSSL_NAMES = {"blake2b-512": "BLAKE2B-512", "blake2s-256": "BLAKE2S-256"}
 
 
 def supported_algorithms() -> list[str]:
@@ -55,6 +84,27 @@ def normalize_algorithm(name: str) -> str:
     return lowered
 
 
+def native_hasher(algorithm: str, salt: bytes, hash_type: int):
+    """A native Hasher for a normalized algorithm name, or None when the pure-Python
+    engine must do (forced, not built, or an algorithm OpenSSL cannot compute)."""
+    if _native is None:
+        return None
+    try:
+        return _native.Hasher(_OPENSSL_NAMES.get(algorithm, algorithm), salt, hash_type)
+    except ValueError:
+        return None
+
+
+def engine_name(algorithm: str | None = None) -> str:
+    """Which engine hashes (for an algorithm, or in general): 'native (OpenSSL 3.0.x)'
+    or 'python'."""
+    if _native is None:
+        return "python"
+    if algorithm is not None and native_hasher(normalize_algorithm(algorithm), b"", 1) is None:
+        return "python"
+    return "native (" + " ".join(_native.openssl_version().split()[:2]) + ")"
+
+
 def parse_salt(text: str) -> bytes:
     """Decode a salt given as hex; '-' or '' means no salt (veritysetup's spelling)."""
     if text in ("-", ""):
@@ -74,9 +124,16 @@ def next_pow2(n: int) -> int:
 
 
 class Digester:
-    """Computes salted digests of blocks for one (algorithm, salt, format) triple."""
+    """Computes salted digests of blocks for one (algorithm, salt, format) triple.
 
-    def __init__(self, algorithm: str, salt: bytes, hash_type: int) -> None:
+    With the native engine, `native` is its Hasher and the public methods are the
+    Hasher's own (bound once here, so a call costs no Python frame); the verifier's hot
+    path calls `native.read_verify` directly. Without it, `native` is None and the
+    methods below run on hashlib. engine="python" asks for hashlib whatever is built
+    (the equality tests compare the two in one process)."""
+
+    def __init__(self, algorithm: str, salt: bytes, hash_type: int,
+                 engine: str = "auto") -> None:
         self.algorithm = normalize_algorithm(algorithm)
         if hash_type not in (0, 1):
             raise ConfigError(f"format: unsupported hash type {hash_type} (0 or 1)")
@@ -89,6 +146,23 @@ class Digester:
         self._pad = bytes(self.slot_size - self.digest_size)
         if hash_type == 1:
             self._base.update(self.salt)
+        if engine not in ("auto", "python"):
+            raise ValueError(f"engine {engine!r}: not 'auto' or 'python'")
+        self.native = (native_hasher(self.algorithm, self.salt, hash_type)
+                       if engine == "auto" else None)
+        if self.native is not None and self.native.digest_size != self.digest_size:
+            self.native = None  # never trust an engine that disagrees on the digest size
+        if self.native is not None and os.environ.get(RELEASE_ENV):
+            self.native.release_size = int(os.environ[RELEASE_ENV])
+        if self.native is not None:
+            self.digest = self.native.digest
+            self.slots_of = self.slots_of_held = self.native.slots
+            self.verify = self._verify_native
+
+    @property
+    def engine(self) -> str:
+        """'native' or 'python': the engine this digester runs on."""
+        return "python" if self.native is None else "native"
 
     def digest(self, block) -> bytes:
         """The salted digest of one block (any bytes-like object)."""
@@ -140,6 +214,36 @@ class Digester:
             if pad:
                 append(pad)
         return b"".join(out)
+
+    def verify(self, buf, block_size: int, expected, release_gil: bool = False) -> int:
+        """-1 if every block of buf (a whole number of blocks) has the digest held at the
+        start of its slot in expected, else the index of the first block that differs.
+        Padding is not compared (the kernel compares digest_size bytes)."""
+        _check_run(len(buf), block_size, len(expected), self.slot_size)
+        slots = (self.slots_of if release_gil else self.slots_of_held)(buf, block_size)
+        expected = bytes(expected)
+        if slots == expected[:len(slots)]:
+            return -1
+        size, step = self.digest_size, self.slot_size
+        for i, pos in enumerate(range(0, len(slots), step)):
+            if slots[pos:pos + size] != expected[pos:pos + size]:
+                return i
+        return -1
+
+    def _verify_native(self, buf, block_size: int, expected, release_gil: bool = False) -> int:
+        """verify() on the native engine: the GIL is released by run length, not on demand."""
+        return self.native.verify(buf, block_size, expected)
+
+
+def _check_run(size: int, block_size: int, expected_size: int, slot_size: int) -> None:
+    """The argument checks of the native verify(), so both engines reject alike."""
+    if block_size <= 0:
+        raise ValueError(f"block_size {block_size}: not positive")
+    if size % block_size:
+        raise ValueError(f"buffer of {size} bytes is not a multiple of {block_size}")
+    if expected_size < size // block_size * slot_size:
+        raise ValueError(f"{size // block_size} blocks need {size // block_size * slot_size} "
+                         f"bytes of slots, {expected_size} given")
 
 
 HELD_PIECE = 1984  # 31 * 64: under hashlib's GIL-release threshold (2048), whole SHA blocks

@@ -3,7 +3,8 @@
 Each I/O class has a byte threshold. A request no larger than its class's threshold is
 verified inline, in the nbdkit thread that received it: no hand-off, cheapest for small
 reads. A larger one is split on data-block boundaries into chunks verified in parallel by
-a bounded thread pool (hashlib releases the GIL, so chunks really hash on several cores)
+a bounded thread pool (the native engine hashes a chunk with the GIL released, so chunks
+really hash on several cores)
 and completes when every chunk has. A threshold of 0 sends every request of its class to
 the pool. Defaults are the seed patch's 4096 for every class; the preset `kernel` is what
 Linux 6.15 merged (8192, 8192, 8192, 0).
@@ -23,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from .errors import ConfigError
 from .ioprio import CLASSES, class_index
 from .limits import MAX_REQUEST_SIZE
+from .tally import Tally
 
 CHUNK_SIZE = 256 << 10  # bytes per pool task: measured best of 64K..256K (docs/control.md)
 PRESETS = {
@@ -68,36 +70,40 @@ def table_dict(table: tuple[int, ...]) -> dict[str, int]:
 
 
 class PathStats:
-    """Requests, bytes and recent latencies for each (class, path)."""
+    """Requests, bytes and recent latencies for each (class, path), recorded without a lock:
+    counts per thread (tally.py), latencies appended to a deque (an atomic append; a
+    snapshot copies it in one C call, which no append can interleave)."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.reset()
+        self._keys = [(c, p) for c in range(len(CLASSES)) for p in (INLINE, POOL)]
+        self._slot = {key: 2 * i for i, key in enumerate(self._keys)}  # requests; bytes next
+        self._tally = Tally(2 * len(self._keys))
+        self._latency = {key: deque(maxlen=LATENCY_SAMPLES) for key in self._keys}
 
     def reset(self) -> None:
-        with self._lock:
-            self._count = {(c, p): [0, 0] for c in range(len(CLASSES)) for p in (INLINE, POOL)}
-            self._latency = {key: deque(maxlen=LATENCY_SAMPLES) for key in self._count}
+        self._tally.reset()
+        self._latency = {key: deque(maxlen=LATENCY_SAMPLES) for key in self._keys}
 
     def record(self, io_class: int, path: str, length: int, seconds: float) -> None:
         key = (io_class, path)
-        with self._lock:
-            entry = self._count[key]
-            entry[0] += 1
-            entry[1] += length
-            self._latency[key].append(seconds)
+        slot = self._slot[key]
+        row = self._tally.row()
+        row[slot] += 1
+        row[slot + 1] += length
+        self._latency[key].append(seconds)
 
     def snapshot(self) -> dict:
         """Per class and path: requests, bytes, p50 and p99 latency in microseconds."""
-        with self._lock:
-            out: dict = {}
-            for (c, p), (requests, size) in self._count.items():
-                samples = sorted(self._latency[(c, p)])
-                out.setdefault(CLASSES[c], {})[p] = {
-                    "requests": requests, "bytes": size,
-                    "p50_us": _percentile(samples, 0.50), "p99_us": _percentile(samples, 0.99),
-                }
-            return out
+        totals = self._tally.totals()
+        latency = self._latency
+        out: dict = {}
+        for (c, p), slot in self._slot.items():
+            samples = sorted(latency[(c, p)])
+            out.setdefault(CLASSES[c], {})[p] = {
+                "requests": totals[slot], "bytes": totals[slot + 1],
+                "p50_us": _percentile(samples, 0.50), "p99_us": _percentile(samples, 0.99),
+            }
+        return out
 
 
 def _percentile(sorted_samples: list[float], q: float) -> float | None:

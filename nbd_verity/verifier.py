@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from typing import ClassVar
 
 from .blocks import split_request
 from .cache import HashBlockCache
@@ -22,6 +23,9 @@ from .errors import CorruptionError, DataCorruption, HashCorruption, ImageIOErro
 from .log import log
 from .params import VerityParams
 from .source import ImageFile
+from .tally import Tally
+
+READ_FAILED = -2  # _native.READ_FAILED: read_verify's read failed; Python reads again
 
 MAX_LOGGED_ERRORS = 100  # the kernel's DM_VERITY_MAX_CORRUPTED_ERRS
 
@@ -36,33 +40,46 @@ class VerifyOptions:
 
 
 class Counters:
-    """Totals kept for the control socket: updated under one short lock."""
+    """Totals kept for the control socket, counted per thread without a lock (tally.py)."""
 
     FIELDS = ("data_blocks_verified", "hash_reads", "hash_blocks_read", "corruptions",
               "readaheads", "io_errors")
+    _INDEX: ClassVar[dict[str, int]] = {name: i for i, name in enumerate(FIELDS)}
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._tally = Tally(len(self.FIELDS))
+        self._lock = threading.Lock()  # orders corruptions for the log cap only
+        self._seen = 0
         self.corrupted = False  # status 'C' once any corruption was seen; never cleared
-        self.reset()
 
     def reset(self) -> None:
+        self._tally.reset()
         with self._lock:
-            for name in self.FIELDS:
-                setattr(self, name, 0)
+            self._seen = 0
 
-    def add(self, **amounts: int) -> int:
-        """Add to counters; return the new value of the last one (read under the lock)."""
-        value = 0
+    def add(self, **amounts: int) -> None:
+        row = self._tally.row()
+        for name, amount in amounts.items():
+            row[self._INDEX[name]] += amount
+
+    def verified(self, blocks: int) -> None:
+        """The hot path's one counter: data blocks that matched."""
+        self._tally.row()[0] += blocks
+
+    def corruption(self) -> int:
+        """Count a corruption; return how many were seen, this one included (in order)."""
+        self.corrupted = True
+        self.add(corruptions=1)
         with self._lock:
-            for name, amount in amounts.items():
-                value = getattr(self, name) + amount
-                setattr(self, name, value)
-        return value
+            self._seen += 1
+            return self._seen
 
     def snapshot(self) -> dict:
-        with self._lock:
-            return {name: getattr(self, name) for name in self.FIELDS}
+        return dict(zip(self.FIELDS, self._tally.totals(), strict=True))
+
+    @property
+    def corruptions(self) -> int:
+        return self.snapshot()["corruptions"]
 
     @property
     def status(self) -> str:
@@ -91,6 +108,8 @@ class Verifier:
         # skipped (check-at-most-once), zero-filled (ignore-zero-blocks) or is the root.
         self._whole_runs = not (self.geo.levels == 0 or options.check_at_most_once
                                 or options.ignore_zero_blocks)
+        # The native engine reads and verifies an aligned run within one leaf in one call.
+        self._hasher = self.digester.native if self._whole_runs else None
 
     # -- start-up ---------------------------------------------------------------------
 
@@ -179,6 +198,8 @@ class Verifier:
         passes release_gil=True so that its workers hash on several cores at once."""
         dbs = self.geo.data_block_size
         if not offset % dbs and not len(buf) % dbs:  # aligned: the common case, no split
+            if self._hasher is not None and self._read_verify(buf, offset):
+                return
             self.data.read_into(buf, offset)
             self._verify_blocks(buf, offset // dbs, len(buf) // dbs, release_gil)
             return
@@ -194,18 +215,49 @@ class Verifier:
                 buf[seg.buf_offset:seg.buf_offset + seg.length] = (
                     scratch[seg.skip:seg.skip + seg.length])
 
+    def _read_verify(self, buf: memoryview, offset: int) -> bool:
+        """Native: read an aligned run that lies under one leaf and verify it in one call
+        (preadv into buf, then hash). False, having done nothing, if the run spans leaves."""
+        geo = self.geo
+        dbs, bits, slot = geo.data_block_size, geo.hpb_bits, geo.slot_size
+        first, count = offset // dbs, len(buf) // dbs
+        leaf_index = first >> bits
+        if (first + count - 1) >> bits != leaf_index:
+            return False
+        leaf = self._hash_block(0, leaf_index)
+        start = (first - (leaf_index << bits)) * slot
+        want = leaf[start:start + count * slot]
+        bad = self._hasher.read_verify(self.data.fd, buf, offset, dbs, want)
+        if bad == -1:
+            self.counters.verified(count)
+            return True
+        if bad == READ_FAILED:  # read again in Python: it raises the exact ImageIOError
+            self.data.read_into(buf, offset)
+            bad = self._hasher.verify(buf, dbs, want)
+        self._after_run(buf, first, count, bad)
+        return True
+
+    def _after_run(self, mv: memoryview, first: int, count: int, bad: int) -> None:
+        """Count a checked run; from its first differing block on, take the general path."""
+        if bad < 0:
+            self.counters.verified(count)
+            return
+        self.counters.verified(bad)
+        dbs = self.geo.data_block_size
+        self._verify_blocks_one_by_one(mv[bad * dbs:], first + bad, count - bad)
+
     def _verify_blocks(self, mv: memoryview, first: int, count: int,
                        release_gil: bool = False) -> None:
         """Check `count` consecutive data blocks held in mv (in place), one level-0 block
-        at a time: the run's slots are computed and compared in one comparison, and only
-        a run that differs is examined block by block."""
+        at a time: the run is hashed and compared with its slots in one call, and only
+        from a block that differs on is it examined block by block."""
         if not self._whole_runs:
             self._verify_blocks_one_by_one(mv, first, count)
             return
         geo = self.geo
         dbs, bits, slot = geo.data_block_size, geo.hpb_bits, geo.slot_size
-        slots_of = self.digester.slots_of if release_gil else self.digester.slots_of_held
-        done = matched = 0
+        verify = self.digester.verify
+        done = 0
         while done < count:
             block = first + done
             leaf_index = block >> bits
@@ -213,12 +265,9 @@ class Verifier:
             leaf = self._hash_block(0, leaf_index)
             start = (block - (leaf_index << bits)) * slot
             piece = mv[done * dbs:(done + run) * dbs]
-            if slots_of(piece, dbs) == leaf[start:start + run * slot]:
-                matched += run
-            else:  # counts its own blocks
-                self._verify_blocks_one_by_one(piece, block, run)
+            bad = verify(piece, dbs, leaf[start:start + run * slot], release_gil)
+            self._after_run(piece, block, run, bad)
             done += run
-        self.counters.add(data_blocks_verified=matched)
 
     def _verify_blocks_one_by_one(self, mv: memoryview, first: int, count: int) -> None:
         """The general path: zero blocks, check-at-most-once, recheck and errors."""
@@ -250,7 +299,7 @@ class Verifier:
                 continue
             if bitmap is not None:
                 bitmap[block >> 3] |= 1 << (block & 7)
-        self.counters.add(data_blocks_verified=checked)
+        self.counters.verified(checked)
 
     def _recheck(self, block: int, piece: memoryview, want: bytes) -> bool:
         """Re-read a mismatching block privately; if it now matches, use that copy."""
@@ -266,9 +315,7 @@ class Verifier:
     def _corruption(self, error: CorruptionError) -> None:
         """Count and log a corruption; raise it unless the mode is ignore-corruption (what
         restart-on-corruption then does is the plugin's decision, at the edge)."""
-        counters = self.counters
-        counters.corrupted = True
-        seen = counters.add(corruptions=1)
+        seen = self.counters.corruption()
         if seen <= MAX_LOGGED_ERRORS:
             log(str(error))
         if seen == MAX_LOGGED_ERRORS:

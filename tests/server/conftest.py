@@ -13,6 +13,7 @@ import tempfile
 import nbd
 import pytest
 from serverlib import (
+    DEFAULT_ENGINE,
     MIB,
     NBD_VERITY,
     NBDKIT,
@@ -35,9 +36,17 @@ def sockdir():
 
 
 @pytest.fixture
-def servers(sockdir, tmp_path):
+def engine(request) -> str:
+    """The engine servers hash with: DEFAULT_ENGINE, or each of serverlib.ENGINES in a test
+    parametrised with `@pytest.mark.parametrize("engine", ENGINES, indirect=True)`."""
+    return getattr(request, "param", DEFAULT_ENGINE)
+
+
+@pytest.fixture
+def servers(sockdir, tmp_path, engine):
     """Factory fixture: start(image, **keys) runs `nbdkit python plugin.py` on a socket,
-    serve_cli(args) runs `nbd-verity serve`; all are stopped by pid at teardown."""
+    serve_cli(args) runs `nbd-verity serve`; all are stopped by pid at teardown. They run
+    on the `engine` fixture's engine."""
     started: list[Server] = []
 
     class Factory:
@@ -55,7 +64,8 @@ def servers(sockdir, tmp_path):
 
         def start(self, image: Image, ready: bool = True, **keys) -> Server:
             sock, pid, log = self._paths()
-            server = Server(self.plugin_argv(image.pairs(**keys), sock, pid), sock, pid, log)
+            server = Server(self.plugin_argv(image.pairs(**keys), sock, pid), sock, pid, log,
+                            engine)
             started.append(server)
             return server.wait_ready() if ready else server
 
@@ -63,7 +73,7 @@ def servers(sockdir, tmp_path):
             sock, pid, log = self._paths()
             argv = [str(NBD_VERITY), "serve", *args, "--unix", sock, "--pid-file", pid,
                     "--exit-with-parent"]
-            server = Server(argv, sock, pid, log)
+            server = Server(argv, sock, pid, log, engine)
             started.append(server)
             return server.wait_ready() if ready else server
 

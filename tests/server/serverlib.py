@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import os
 import random
 import re
 import shutil
@@ -38,6 +39,23 @@ VERITYSETUP = shutil.which("veritysetup") or "/usr/sbin/veritysetup"
 START_TIMEOUT = 20.0  # seconds for nbdkit to listen (the machine is shared and small)
 STOP_TIMEOUT = 10.0
 MIB = 1 << 20
+
+
+# The hashing engines a server can run on (nbd_verity.digest): servers run on the engine
+# of the `engine` fixture, native unless the test run itself has NBD_VERITY_PURE=1.
+ENGINES = ("native", "python")
+PURE_ENV = "NBD_VERITY_PURE"
+DEFAULT_ENGINE = "python" if os.environ.get(PURE_ENV, "") not in ("", "0") else "native"
+
+
+def server_env(engine: str = DEFAULT_ENGINE) -> dict:
+    """The environment of a server on this engine: NBD_VERITY_PURE=1 forces the
+    pure-Python engine; without it the native one runs (launch adds PYTHONPATH)."""
+    env = dict(os.environ)
+    env.pop(PURE_ENV, None)
+    if engine == "python":
+        env[PURE_ENV] = "1"
+    return env
 
 
 # -- images ---------------------------------------------------------------------------
@@ -235,8 +253,11 @@ class Server(Launched):
     """One nbdkit process on a Unix socket (nbd_verity.launch), with libnbd clients that
     are closed before it is stopped."""
 
-    def __init__(self, argv: list[str], socket_path: str, pid_file: str, log_path: Path):
-        super().__init__(argv, socket=socket_path, pid_file=pid_file, log_path=log_path)
+    def __init__(self, argv: list[str], socket_path: str, pid_file: str, log_path: Path,
+                 engine: str = DEFAULT_ENGINE):
+        super().__init__(argv, socket=socket_path, pid_file=pid_file, log_path=log_path,
+                         env=server_env(engine))
+        self.engine = engine
         self.handles: list = []
         self.start(ready=False)
 
@@ -253,6 +274,12 @@ class Server(Launched):
         self.handles.append(h)
         h.connect_unix(self.socket)
         return h
+
+    def loaded_native(self) -> bool:
+        """Whether the server process has nbd_verity's compiled module mapped (the pure
+        engine never imports it)."""
+        maps = Path(f"/proc/{self.pid}/maps").read_text()
+        return "nbd_verity/_native." in maps
 
     def stop(self, timeout: float = STOP_TIMEOUT) -> int | None:
         """Close our clients, then stop the server by its pid."""

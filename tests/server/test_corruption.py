@@ -9,12 +9,22 @@ from __future__ import annotations
 import subprocess
 
 import pytest
-from serverlib import MIB, close_handle, expect_eio, flip_byte, make_image, random_bytes, write_at
+from serverlib import (
+    ENGINES,
+    MIB,
+    close_handle,
+    expect_eio,
+    flip_byte,
+    make_image,
+    random_bytes,
+    write_at,
+)
 
 BAD = 300  # the corrupted data block in these tests
 
 
 @pytest.mark.parametrize("which", ["default_image", "small_block_image"])
+@pytest.mark.parametrize("engine", ENGINES, indirect=True)
 def test_flipped_data_byte_fails_only_requests_covering_its_block(which, request, servers,
                                                                    tmp_path):
     image = request.getfixturevalue(which).copy(tmp_path)
@@ -38,6 +48,7 @@ def test_flipped_data_byte_fails_only_requests_covering_its_block(which, request
 
 
 @pytest.mark.parametrize("which", ["default_image", "small_block_image"])
+@pytest.mark.parametrize("engine", ENGINES, indirect=True)
 def test_flipped_leaf_byte_fails_exactly_the_blocks_under_it(which, request, servers,
                                                              tmp_path):
     image = request.getfixturevalue(which).copy(tmp_path)
@@ -61,6 +72,7 @@ def test_flipped_leaf_byte_fails_exactly_the_blocks_under_it(which, request, ser
     assert f"metadata block {leaf // hbs} is corrupted" in server.log()
 
 
+@pytest.mark.parametrize("engine", ENGINES, indirect=True)
 def test_flipped_level1_byte_fails_every_block_below_it(small_block_image, servers, tmp_path):
     """The 3-level image: a level-1 block covers 16 leaves of 16 data blocks each."""
     image = small_block_image.copy(tmp_path)

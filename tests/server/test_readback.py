@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from serverlib import (
+    ENGINES,
     MIB,
     expect_eio,
     flip_byte,
@@ -54,6 +55,7 @@ def geometry_image(request, tmp_path_factory):
     return image
 
 
+@pytest.mark.parametrize("engine", ENGINES, indirect=True)
 def test_whole_device_reads_back(geometry_image, servers):
     image = geometry_image
     h = servers.start(image).connect()
@@ -61,6 +63,7 @@ def test_whole_device_reads_back(geometry_image, servers):
     assert h.pread(image.size, 0) == image.expected()
 
 
+@pytest.mark.parametrize("engine", ENGINES, indirect=True)
 def test_every_geometry_detects_a_flipped_byte(geometry_image, servers, tmp_path):
     """Reading back proves nothing if nothing is checked: the last block must fail."""
     image = geometry_image.copy(tmp_path / "copy")
@@ -85,6 +88,7 @@ def test_captive_server_reads_back(default_image, captive):
     assert h.pread(default_image.size, 0) == default_image.expected()
 
 
+@pytest.mark.parametrize("engine", ENGINES, indirect=True)
 @pytest.mark.parametrize("which", ["default_image", "small_block_image"])
 def test_random_unaligned_reads(which, request, servers):
     image = request.getfixturevalue(which)

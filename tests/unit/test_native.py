@@ -1,0 +1,170 @@
+"""The native engine (nbd_verity._native) against the pure-Python reference (digest.py).
+
+Identical slots, digests and verdicts (the first block that differs) on random
+algorithms, formats, salts, block sizes, run lengths and corruption positions; the read
+path (read_verify) fills the buffer as preadv would and reports a failed read so that
+Python can name it. NBD_VERITY_PURE=1 keeps the compiled module out.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from nbd_verity import digest, verifier
+from nbd_verity.digest import Digester, engine_name, native_hasher, supported_algorithms
+
+_native = digest._native
+pytestmark = pytest.mark.skipif(_native is None, reason="the native engine is not built, or "
+                                "NBD_VERITY_PURE=1 forces the pure one")
+
+ALGORITHMS = [a for a in supported_algorithms() if native_hasher(a, b"", 1) is not None]
+BLOCK_SIZES = [512, 1024, 4096, 8192]
+
+
+def engines(algorithm: str, salt: bytes, hash_type: int) -> tuple[Digester, Digester]:
+    native = Digester(algorithm, salt, hash_type)
+    pure = Digester(algorithm, salt, hash_type, engine="python")
+    assert native.engine == "native" and pure.engine == "python"
+    return native, pure
+
+
+@st.composite
+def runs(draw):
+    """(algorithm, hash_type, salt, block_size, data of 0..12 blocks)."""
+    algorithm = draw(st.sampled_from(ALGORITHMS or ["sha256"]))
+    hash_type = draw(st.sampled_from([0, 1]))
+    salt = draw(st.binary(max_size=256))
+    block_size = draw(st.sampled_from(BLOCK_SIZES))
+    blocks = draw(st.integers(0, 12))
+    seed = draw(st.integers(0, 2**32 - 1))
+    data = bytearray(random.Random(seed).randbytes(blocks * block_size))
+    return algorithm, hash_type, salt, block_size, data
+
+
+def test_every_algorithm_hashlib_has_runs_natively():
+    """OpenSSL computes every veritysetup algorithm this Python's hashlib does."""
+    assert supported_algorithms() == ALGORITHMS
+
+
+@settings(max_examples=300, deadline=None)
+@given(runs())
+def test_slots_and_digests_are_identical(run):
+    algorithm, hash_type, salt, block_size, data = run
+    native, pure = engines(algorithm, salt, hash_type)
+    assert (native.slot_size, native.digest_size) == (pure.slot_size, pure.digest_size)
+    slots = pure.slots_of(data, block_size)
+    assert native.slots_of(data, block_size) == slots
+    assert native.slots_of_held(memoryview(data), block_size) == slots
+    assert pure.slots_of_held(data, block_size) == slots
+    assert native.digest(data) == pure.digest(data)
+    assert native.slot(data[:block_size]) == pure.slot(data[:block_size])
+
+
+@settings(max_examples=300, deadline=None)
+@given(runs(), st.lists(st.integers(0, 11), max_size=3), st.sampled_from(["data", "slot"]),
+       st.integers(0, 2**16))
+def test_verdicts_are_identical(run, damaged, where, at):
+    """Damage some blocks (or their slots); both engines name the same first block."""
+    algorithm, hash_type, salt, block_size, data = run
+    native, pure = engines(algorithm, salt, hash_type)
+    blocks = len(data) // block_size
+    expected = bytearray(pure.slots_of(data, block_size))
+    damaged = sorted({d for d in damaged if d < blocks})
+    for block in damaged:
+        if where == "data":
+            data[block * block_size + at % block_size] ^= 0x5A
+        else:
+            expected[block * native.slot_size + at % native.digest_size] ^= 0x5A
+    first = damaged[0] if damaged else -1
+    expected = bytes(expected)
+    assert pure.verify(data, block_size, expected) == first
+    assert pure.verify(data, block_size, expected, release_gil=True) == first
+    assert native.verify(data, block_size, expected) == first
+    assert native.native.verify(data, block_size, expected) == first
+
+
+@settings(max_examples=100, deadline=None)
+@given(runs(), st.lists(st.integers(0, 11), max_size=2), st.integers(0, 3))
+def test_read_verify_reads_then_verifies_like_verify(tmp_path_factory, run, damaged, lead):
+    """read_verify fills buf with the file's bytes at offset and gives verify's verdict,
+    with the GIL held (short runs) or released (long runs)."""
+    algorithm, hash_type, salt, block_size, data = run
+    native, pure = engines(algorithm, salt, hash_type)
+    expected = pure.slots_of(data, block_size)
+    for block in {d for d in damaged if d < len(data) // block_size}:
+        data[block * block_size] ^= 1
+    offset = lead * block_size
+    path = tmp_path_factory.mktemp("rv") / "image"
+    path.write_bytes(bytes(offset) + bytes(data))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for release_size in (1 << 62, 0):
+            native.native.release_size = release_size
+            buf = bytearray(len(data))
+            verdict = native.native.read_verify(fd, buf, offset, block_size, expected)
+            assert buf == data
+            assert verdict == pure.verify(data, block_size, expected)
+    finally:
+        os.close(fd)
+
+
+def test_read_verify_reports_a_short_read_and_a_bad_fd(tmp_path):
+    hasher = Digester("sha256", b"salt", 1).native
+    path = tmp_path / "image"
+    path.write_bytes(bytes(3 * 4096))
+    want = hasher.slots(bytes(4096), 4096) * 4
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert hasher.read_verify(fd, bytearray(4096), 2 * 4096, 4096, want) == -1
+        assert hasher.read_verify(fd, bytearray(4096), 3 * 4096, 4096, want) == _native.READ_FAILED
+        assert hasher.read_verify(fd, bytearray(8192), 2 * 4096, 4096, want) == _native.READ_FAILED
+    finally:
+        os.close(fd)
+    assert hasher.read_verify(fd, bytearray(4096), 0, 4096, want) == _native.READ_FAILED
+    assert verifier.READ_FAILED == _native.READ_FAILED  # what the verifier checks for
+    with pytest.raises(BufferError):
+        hasher.read_verify(0, b"read-only buffer", 0, 16, want)
+
+
+@pytest.mark.parametrize("engine", ["auto", "python"])
+@pytest.mark.parametrize(("size", "block_size", "slots", "message"), [
+    (4096, 0, 32, "block_size 0: not positive"),
+    (4097, 4096, 64, "not a multiple of 4096"),
+    (8192, 4096, 63, "2 blocks need 64 bytes of slots, 63 given"),
+])
+def test_both_engines_reject_the_same_runs(engine, size, block_size, slots, message):
+    d = Digester("sha256", b"", 1, engine=engine)
+    with pytest.raises(ValueError, match=message):
+        d.verify(bytes(size), block_size, bytes(slots))
+
+
+def test_openssl_names_and_unknown_algorithms():
+    assert native_hasher("blake2b-512", b"", 1).digest_size == 64
+    assert native_hasher("sha3-256", b"", 0).slot_size == 32
+    assert native_hasher("no-such-digest", b"", 1) is None  # Python's engine then
+    with pytest.raises(ValueError, match="salt of 257 bytes"):
+        _native.Hasher("sha256", bytes(257), 1)
+    with pytest.raises(ValueError, match="hash_type 2"):
+        _native.Hasher("sha256", b"", 2)
+
+
+def test_engine_name_says_native_and_which_openssl():
+    assert engine_name() == engine_name("sha256")
+    assert engine_name().startswith("native (OpenSSL 3.")
+
+
+def test_nbd_verity_pure_forces_the_python_engine():
+    code = ("import sys; from nbd_verity import digest; "
+            "print(digest.engine_name(), digest.Digester('sha256', b'', 1).engine, "
+            "'nbd_verity._native' in sys.modules)")
+    env = dict(os.environ, NBD_VERITY_PURE="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, check=True).stdout.split()
+    assert out == ["python", "python", "False"]
