@@ -104,7 +104,8 @@ def exec_server(pairs: Sequence[tuple[str, str]], listen: Mapping) -> None:
     device = check_device(pairs)
     argv = nbdkit_command(pairs, listen)
     sys.stderr.write(f"nbd-verity: serving {device.size} bytes, verified "
-                     f"({device.params.algorithm}, {device.geo.levels} levels), "
+                     f"({device.params.algorithm}, {device.geo.levels} levels, "
+                     f"{device.verifier.digester.engine} engine), "
                      f"{device.trust.describe()}\n")
     sys.stderr.flush()
     os.execve(argv[0], argv, plugin_environment())

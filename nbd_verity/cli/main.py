@@ -39,6 +39,21 @@ class CommandGroup(click.Group):
 
 @click.group(cls=CommandGroup, context_settings={"help_option_names": ["-h", "--help"],
                                                  "auto_envvar_prefix": "NBD_VERITY"})
-@click.version_option(package_name="nbd-verity")
+@click.option("--version", is_flag=True, expose_value=False, is_eager=True,
+              callback=lambda ctx, _param, value: _version(ctx) if value else None,
+              help="Show the version and the hashing engine, and exit.")
 def main() -> None:
     """A verified (dm-verity) block server for NBD, and its tools."""
+
+
+def _version(ctx: click.Context) -> None:
+    """`nbd-verity --version`: the package's version and which engine hashes."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from ..digest import engine_name
+    try:
+        text = version("nbd-verity")
+    except PackageNotFoundError:
+        from .. import __version__ as text
+    click.echo(f"nbd-verity {text}\nhashing engine: {engine_name()}")
+    ctx.exit()

@@ -8,9 +8,20 @@ itself: the pure engine never imports nbd_verity._native, so its .so is not mapp
 from __future__ import annotations
 
 import pytest
-from serverlib import DEFAULT_ENGINE, ENGINES, MIB, expect_eio, flip_byte, make_image, random_bytes
+from serverlib import (
+    DEFAULT_ENGINE,
+    ENGINES,
+    MIB,
+    NBD_VERITY,
+    expect_eio,
+    flip_byte,
+    make_image,
+    random_bytes,
+    server_env,
+)
 
 from nbd_verity.digest import engine_name
+from nbd_verity.launch import run_to_end
 
 BAD = 200  # a corrupted data block, inside the second 256 KiB pool chunk of a 1 MiB read
 
@@ -60,3 +71,16 @@ def test_both_engines_read_a_format0_sha1_image(servers, tmp_path):
     assert h.pread(image.size, 0) == image.expected()
     flip_byte(image.data, 5 * 4096)
     expect_eio(h, 4096, 5 * 4096)
+
+
+@pytest.mark.parametrize("engine", ENGINES, indirect=True)
+def test_version_and_start_up_line_name_the_engine(default_image, servers, engine):
+    """`nbd-verity --version` and serve's start-up line say which engine hashes."""
+    server = servers.serve_cli([str(default_image.data), str(default_image.hash),
+                                default_image.root])
+    assert f"({engine} engine)" in server.log() or f", {engine} engine)" in server.log()
+    done = run_to_end([NBD_VERITY, "--version"], env=server_env(engine))
+    assert done.returncode == 0, done.stderr
+    expected = "hashing engine: native (OpenSSL " if engine == "native" else \
+        "hashing engine: python"
+    assert expected in done.stdout
