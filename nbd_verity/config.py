@@ -65,6 +65,13 @@ def absolute_file(key: str, text: str) -> str:
     return os.path.abspath(text)
 
 
+def image_location(key: str, text: str) -> str:
+    """An image: an NBD URI (nbd://, nbds://, nbd+unix://) as given, else a path made
+    absolute."""
+    from .remote import check_uri, is_uri  # no libnbd import until a URI is opened
+    return check_uri(key, text) if is_uri(text) else absolute_file(key, text)
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """Everything the server needs, validated."""
@@ -128,8 +135,8 @@ class Key:
 # Every plugin key, once: nbdkit's config() parses with it and `serve` derives its nbdkit
 # argument list from it (plugin_pairs), so the two front ends cannot drift apart.
 KEYS = (
-    Key("data", "data", absolute_file, "data"),
-    Key("hash", "hash", absolute_file, "hash_image"),
+    Key("data", "data", image_location, "data"),
+    Key("hash", "hash", image_location, "hash_image"),
     Key("root-hash", "root_hash", _text, "root_hash"),
     Key("root-hash-file", "root_hash_file", absolute_file, "root_hash_file"),
     Key("hash-offset", "tree.hash_offset", parse_size, "hash_offset"),
@@ -161,6 +168,8 @@ def _render(key: Key, value) -> str:
     """A `serve` option's value as the plugin key's text (paths made absolute)."""
     if key.parse is absolute_file:
         return os.path.abspath(value)
+    if key.parse is image_location:
+        return image_location(key.name, value)
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, bytes):

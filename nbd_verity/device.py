@@ -22,8 +22,8 @@ from .errors import ConfigError, CorruptionError, ImageIOError
 from .ioprio import class_index, connection_class
 from .log import log
 from .params import load_params
+from .remote import open_source
 from .roothash import root_digest
-from .source import ImageFile
 from .verifier import Verifier, VerifyOptions
 
 
@@ -41,9 +41,10 @@ class Device:
     def __init__(self, config: ServerConfig, hooks: Hooks | None = None) -> None:
         self.config = config
         self.hooks = hooks or Hooks()
-        self.data = ImageFile(config.data, "data")
-        self.hashes = ImageFile(config.hash, "hash")
-        self.params = load_params(config.hash, config.tree, self.data.size())
+        self.data = open_source(config.data, "data")  # a local file or an NBD URI
+        self.hashes = open_source(config.hash, "hash")
+        self.params = load_params(config.hash, config.tree, self.data.size(),
+                                  source=self.hashes)
         self.geo = self.params.geometry()
         root = root_digest(config.root_hash, self.params.digester().digest_size)
         self._check_sizes()
@@ -92,13 +93,23 @@ class Device:
         """Everything the control socket's `stats` reports."""
         totals = self.verifier.counters.snapshot()
         totals.update(cache_hits=self.cache.hits, cache_misses=self.cache.misses,
-                      cached_hash_blocks=len(self.cache))
+                      cached_hash_blocks=len(self.cache), **self.source_counters())
         return {"classes": self.dispatcher.stats.snapshot(), "totals": totals,
                 **self.status(), "thresholds": table_dict(self.dispatcher.table),
                 "workers": self.dispatcher.workers,
                 "chunk_size": self.dispatcher.chunk_size}
 
+    def source_counters(self) -> dict:
+        """source_errors and reconnects, summed over the NBD sources (0 for files)."""
+        totals = {"source_errors": 0, "reconnects": 0}
+        for source in (self.data, self.hashes):
+            for name, value in getattr(source, "counters", dict)().items():
+                totals[name] += value
+        return totals
+
     def reset_stats(self) -> None:
+        for source in (self.data, self.hashes):
+            getattr(source, "reset_counters", lambda: None)()
         self.verifier.counters.reset()
         self.cache.reset_counters()
         self.dispatcher.stats.reset()

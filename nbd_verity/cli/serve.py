@@ -1,7 +1,9 @@
 """`nbd-verity serve DATA HASH [ROOT_HASH]`: options forwarded to launch.exec_server.
 
 The options become the plugin's key=value pairs through config.KEYS (config.plugin_pairs),
-the one table of plugin keys; the listening options become nbdkit's own.
+the one table of plugin keys; the listening options become nbdkit's own. DATA and HASH
+are paths, NBD URIs, or http(s):// and s3:// URLs, for which captive upstream nbdkits are
+started first (upstream.attach).
 """
 
 from __future__ import annotations
@@ -43,14 +45,26 @@ from .common import edge, image_arguments
               help="Class of connections that name none (default be).")
 @click.option("--serialize/--parallel", default=None,
               help="One request in Python at a time (nbdkit serialises), or many.")
+@click.option("--upstream-cache", is_flag=True,
+              help="For http(s)/s3 images: nbdkit's cache filter below verification.")
+@click.option("--upstream-cache-size", default=None, metavar="SIZE",
+              help="Bound of that cache (nbdkit's cache-max-size, e.g. 1G).")
 @edge
 def serve_cmd(ignore_corruption, restart_on_corruption, unix, port, bind, threads, pid_file,
-              exit_with_parent, verbose, **options) -> None:
-    """Serve DATA over NBD, verifying every byte against HASH and ROOT_HASH."""
+              exit_with_parent, verbose, upstream_cache, upstream_cache_size,
+              **options) -> None:
+    """Serve DATA over NBD, verifying every byte against HASH and ROOT_HASH.
+
+    DATA and HASH are paths, NBD URIs (nbd://, nbds://, nbd+unix://) or http(s):// and
+    s3:// URLs (read through nbdkit's curl or S3 plugin, started here)."""
     from ..config import plugin_pairs  # the server side, imported only to serve
-    from ..launch import exec_server
+    from ..launch import check_listen, exec_server
+    from ..upstream import UpstreamOptions, attach
     if ignore_corruption and restart_on_corruption:
         raise click.UsageError("--ignore-corruption and --restart-on-corruption conflict")
+    check_listen({"unix": unix, "port": port})
+    options.update(attach({"data": options["data"], "hash_image": options["hash_image"]},
+                          UpstreamOptions(upstream_cache, upstream_cache_size)))
     options["error_mode"] = ("ignore-corruption" if ignore_corruption else
                              "restart-on-corruption" if restart_on_corruption else None)
     exec_server(plugin_pairs(options),
