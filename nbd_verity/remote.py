@@ -40,10 +40,10 @@ def is_uri(text: str) -> bool:
 
 
 def redacted(uri: str) -> str:
-    """A URI for messages: a TLS pre-shared key file or user password left out."""
+    """A URI for messages, without the user part (NBD URIs may carry a TLS user name)."""
     parts = urllib.parse.urlsplit(uri)
     netloc = parts.netloc.rsplit("@", 1)[-1]
-    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, parts.query, ""))
 
 
 def open_source(text: str, role: str):
