@@ -22,6 +22,7 @@ from .errors import ConfigError, CorruptionError, ImageIOError
 from .ioprio import class_index, connection_class
 from .log import log
 from .params import load_params
+from .readahead import Readahead
 from .remote import open_source
 from .roothash import root_digest
 from .verifier import Verifier, VerifyOptions
@@ -134,12 +135,14 @@ def _threshold_value(name: str, text) -> int:
 
 
 class Connection:
-    """Per-client state: its I/O class, and where its last read ended (for readahead)."""
+    """Per-client state: its I/O class and its Merkle readahead (readahead.py)."""
 
     def __init__(self, device: Device, io_class: int | None = None) -> None:
         self.device = device
         self.io_class = device.default_class if io_class is None else io_class
-        self.last_end = -1
+        cfg = device.config
+        self.readahead = (Readahead(device.verifier, cfg.readahead_min_size)
+                          if cfg.readahead else None)
 
     @classmethod
     def open(cls, device: Device) -> Connection:
@@ -152,14 +155,10 @@ class Connection:
     def read(self, buf: memoryview, offset: int) -> None:
         """Verified read of len(buf) bytes at offset, with Merkle readahead."""
         device = self.device
-        cfg = device.config
-        length = len(buf)
-        if length == 0:
+        if len(buf) == 0:
             return
-        if cfg.readahead and (length >= cfg.readahead_min_size or offset == self.last_end):
-            first, blocks = block_span(offset, length, device.geo.data_block_size)
-            device.verifier.prefetch(first, blocks + blocks // 4)
-        self.last_end = offset + length
+        if self.readahead is not None:
+            self.readahead.before_read(offset, len(buf))
         try:
             device.dispatcher.read(buf, offset, self.io_class)
         except ImageIOError as e:
