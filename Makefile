@@ -4,7 +4,7 @@ VENV := $(CURDIR)/.venv
 PY := $(VENV)/bin/python
 DEB_PACKAGES := nbdkit nbdkit-plugin-python python3-libnbd libnbd-bin fio cryptsetup-bin \
 	nbd-client python3-venv nbdfuse fuse3 e2fsprogs util-linux openssl \
-	user-mode-linux slirp socat busybox-static iproute2 systemd
+	user-mode-linux slirp socat busybox-static iproute2 systemd lighttpd
 
 .PHONY: setup demo test lint bench bench-format e2e e2e-bench clean
 

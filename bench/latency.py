@@ -7,7 +7,9 @@ for comparison, from the local hash file in the page cache. Each run starts a fr
 server (cold hash-block cache) and reads the device once sequentially (1 job, QD1, fio's
 nbd engine) at 4 KiB, 64 KiB and 512 KiB, with readahead off and on. Reported: MB/s
 (median and range of --reps runs), and hash reads (`hash_reads`: read calls on the hash
-image) per MiB served.
+image) per MiB served. A second table calls the Device in this process from one thread
+(no nbdkit, no fio, every request inline) over the whole image: the same comparison with
+far less noise from a shared machine.
 
     .venv/bin/python bench/latency.py [--reps 3] [--runtime 5] [--write]
 
@@ -79,6 +81,42 @@ def measure(image: images.Image, reps: int, runtime: float) -> list[dict]:
     return rows
 
 
+def inprocess_run(image: images.Image, hash_location: str, bs: int, readahead: bool) -> dict:
+    """The Device nbdkit would build, read once sequentially from this thread (inline)."""
+    from nbd_verity.config import config_from_pairs
+    from nbd_verity.device import Connection, Device
+    device = Device(config_from_pairs([
+        ("data", str(image.data)), ("hash", hash_location), ("root-hash", image.root),
+        ("readahead", "true" if readahead else "false"),
+        *[("threshold", f"{c}={servers.ALL_INLINE}") for c in ("none", "rt", "be", "idle")]]))
+    try:
+        connection, buf = Connection(device), memoryview(bytearray(bs))
+        started = time.perf_counter()
+        for offset in range(0, device.size, bs):
+            connection.read(buf, offset)
+        elapsed = time.perf_counter() - started
+        totals = device.stats()["totals"]
+    finally:
+        device.close()
+    return {"mb_s": device.size / elapsed / 1e6, "mib": device.size / MIB,
+            "hash_reads": totals["hash_reads"], "hash_blocks_read": totals["hash_blocks_read"]}
+
+
+def measure_inprocess(image: images.Image, reps: int) -> list[dict]:
+    rows = []
+    with delayed_hash_server(image) as upstream:
+        for source, location in ((f"NBD, {DELAY} per read", upstream.uri()),
+                                 ("local file, page cache", str(image.hash))):
+            for bs in SIZES:
+                runs: dict[bool, list[dict]] = {False: [], True: []}
+                for _ in range(reps):
+                    for readahead in (False, True):
+                        runs[readahead].append(inprocess_run(image, location, bs, readahead))
+                say(f"in process, {source}: {fiorun.size_label(bs)} done")
+                rows += [summary(source, bs, ra, runs[ra]) for ra in (False, True)]
+    return rows
+
+
 def summary(source: str, bs: int, readahead: bool, runs: list[dict]) -> dict:
     speeds = sorted(r["mb_s"] for r in runs)
     median = runs[[r["mb_s"] for r in runs].index(statistics.median_low(speeds))]
@@ -103,8 +141,8 @@ def table(rows: list[dict]) -> str:
     return report.table(header, lines)
 
 
-def section(rows: list[dict], image: images.Image, reps: int, runtime: float,
-            loads: tuple[str, str], command: str) -> str:
+def section(rows: list[dict], inprocess: list[dict], image: images.Image, reps: int,
+            runtime: float, loads: tuple[str, str], command: str) -> str:
     return "\n".join([
         HEADING, "",
         f"`bench/latency.py`: {image.size >> 20} MiB random image; data from the local file "
@@ -113,6 +151,9 @@ def section(rows: list[dict], image: images.Image, reps: int, runtime: float,
         f"fresh server per run (cold hash-block cache); one sequential pass, 1 job x QD1, "
         f"at most {runtime:g} s; median of {reps} runs, readahead off and on alternating.",
         "", table(rows), "",
+        f"The same without nbdkit and fio: the Device called from one thread of the bench "
+        f"process, every request inline, one pass over the whole image; median of {reps} "
+        f"runs.", "", table(inprocess), "",
         f"- {report.machine()}; load average {loads[0]} before, {loads[1]} after.",
         f"- Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} with: `{command}`",
         ""])
@@ -134,8 +175,10 @@ def main() -> int:
     images.warm(image.hash)
     before = report.load()
     rows = measure(image, args.reps, args.runtime)
+    inprocess = measure_inprocess(image, args.reps)
     command = " ".join([".venv/bin/python bench/latency.py", *sys.argv[1:]])
-    text = section(rows, image, args.reps, args.runtime, (before, report.load()), command)
+    loads = (before, report.load())
+    text = section(rows, inprocess, image, args.reps, args.runtime, loads, command)
     print(text)
     if args.write:
         import format as format_bench  # bench/format.py owns the doc's section rewriting

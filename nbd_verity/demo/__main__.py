@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import sys
 
-from . import offline, serving
+from . import offline, remote, serving
 from .walkthrough import run_steps
 
-STEPS = (*offline.STEPS, *serving.STEPS)
+STEPS = (*offline.STEPS, *serving.STEPS, *remote.STEPS)
 
 
 def main(argv: list[str] | None = None) -> int:

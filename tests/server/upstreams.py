@@ -9,51 +9,12 @@ or TCP port accepting) and stopped by its pid (nbd_verity.launch.Launched).
 from __future__ import annotations
 
 import os
-import shutil
-import socket
 from pathlib import Path
 
+from nbd_verity.demo.remote import Lighttpd, free_port
 from nbd_verity.launch import NBDKIT, Launched
 
-LIGHTTPD = shutil.which("lighttpd") or "/usr/sbin/lighttpd"
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nobody listens on now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def tcp_accepts(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=1.0):
-            return True
-    except OSError:
-        return False
-
-
-class Lighttpd(Launched):
-    """lighttpd serving one directory on 127.0.0.1:port (byte ranges by default)."""
-
-    def __init__(self, docroot: Path, workdir: Path, port: int | None = None) -> None:
-        self.port = port or free_port()
-        workdir.mkdir(parents=True, exist_ok=True)
-        conf = workdir / "lighttpd.conf"
-        conf.write_text(f'server.document-root = "{docroot}"\n'
-                        f"server.port = {self.port}\n"
-                        'server.bind = "127.0.0.1"\n'
-                        f'server.errorlog = "{workdir / "error.log"}"\n'
-                        "server.modules = ()\n")
-        self.docroot = docroot
-        super().__init__([LIGHTTPD, "-D", "-f", conf], log_path=workdir / "lighttpd.log",
-                         name="lighttpd")
-
-    def is_ready(self) -> bool:
-        return tcp_accepts(self.port)
-
-    def url(self, name: str) -> str:
-        return f"http://127.0.0.1:{self.port}/{name}"
+__all__ = ["Lighttpd", "NbdkitFile"]  # lighttpd's helper is the demo's, used as it is
 
 
 class NbdkitFile(Launched):
