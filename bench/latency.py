@@ -59,7 +59,7 @@ def one_run(image: images.Image, hash_location: str, bs: int, readahead: bool,
     totals = stats["totals"]
     return {"mb_s": result.mb_s, "mib": served / MIB, "hash_reads": totals["hash_reads"],
             "hash_blocks_read": totals["hash_blocks_read"],
-            "readaheads": totals["readaheads"]}
+            "hit_rate": hit_rate(totals)}
 
 
 def measure(image: images.Image, reps: int, runtime: float) -> list[dict]:
@@ -99,7 +99,14 @@ def inprocess_run(image: images.Image, hash_location: str, bs: int, readahead: b
     finally:
         device.close()
     return {"mb_s": device.size / elapsed / 1e6, "mib": device.size / MIB,
-            "hash_reads": totals["hash_reads"], "hash_blocks_read": totals["hash_blocks_read"]}
+            "hash_reads": totals["hash_reads"], "hash_blocks_read": totals["hash_blocks_read"],
+            "hit_rate": hit_rate(totals)}
+
+
+def hit_rate(totals: dict) -> float:
+    """Hash-block cache look-ups that found a verified block."""
+    looked = totals["cache_hits"] + totals["cache_misses"]
+    return totals["cache_hits"] / looked if looked else float("nan")
 
 
 def measure_inprocess(image: images.Image, reps: int) -> list[dict]:
@@ -124,12 +131,13 @@ def summary(source: str, bs: int, readahead: bool, runs: list[dict]) -> dict:
             "mb_s": statistics.median(speeds), "min": speeds[0], "max": speeds[-1],
             "reads_per_mib": median["hash_reads"] / max(median["mib"], 1e-9),
             "blocks_per_mib": median["hash_blocks_read"] / max(median["mib"], 1e-9),
-            "mib": median["mib"]}
+            "mib": median["mib"], "hit_rate": median["hit_rate"]}
 
 
 def table(rows: list[dict]) -> str:
     header = ["hash source", "request", "readahead", "MB/s (median)", "MB/s (min..max)",
-              "on/off", "hash reads / MiB", "hash blocks read / MiB", "MiB read"]
+              "on/off", "hash reads / MiB", "hash blocks read / MiB", "hash-cache hits",
+              "MiB read"]
     off = {(r["source"], r["bs"]): r["mb_s"] for r in rows if not r["readahead"]}
     lines = []
     for r in rows:
@@ -137,7 +145,8 @@ def table(rows: list[dict]) -> str:
         lines.append([r["source"], f"{fiorun.size_label(r['bs'])} sequential",
                       "on" if r["readahead"] else "off", f"{r['mb_s']:.1f}",
                       f"{r['min']:.1f}..{r['max']:.1f}", gain, f"{r['reads_per_mib']:.3f}",
-                      f"{r['blocks_per_mib']:.3f}", f"{r['mib']:.0f}"])
+                      f"{r['blocks_per_mib']:.3f}", f"{100 * r['hit_rate']:.2f}%",
+                      f"{r['mib']:.0f}"])
     return report.table(header, lines)
 
 
