@@ -49,7 +49,7 @@ def delayed_hash_server(image: images.Image) -> servers.Server:
 def one_run(image: images.Image, hash_location: str, bs: int, readahead: bool,
             runtime: float) -> dict:
     """A fresh verifying server, one sequential pass; MB/s and hash reads per MiB."""
-    options = [] if readahead else ["--no-readahead"]
+    options = ["--readahead" if readahead else "--no-readahead"]
     local = images.Image(image.data, hash_location, image.root, image.size, image.how)
     job = Job("read", bs, 1, 1, runtime, time_based=False)
     with servers.verity_server("latency", local, options) as server:

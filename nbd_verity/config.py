@@ -84,7 +84,7 @@ class ServerConfig:
     ignore_zero_blocks: bool = False
     check_at_most_once: bool = False
     cache_size: int = DEFAULT_CACHE_SIZE
-    readahead: bool = True
+    readahead: bool | None = None  # None (auto): on for an NBD hash source, off for a file
     readahead_min_size: int = READAHEAD_MIN_SIZE
     control: str | None = None
     thresholds: dict = field(default_factory=dict)  # class name -> bytes
@@ -151,7 +151,8 @@ KEYS = (
     Key("ignore-zero-blocks", "ignore_zero_blocks", parse_bool, "ignore_zero_blocks"),
     Key("check-at-most-once", "check_at_most_once", parse_bool, "check_at_most_once"),
     Key("cache-size", "cache_size", parse_size, "cache_size"),
-    Key("readahead", "readahead", parse_bool, "readahead"),
+    Key("readahead", "readahead", lambda k, v: None if v.strip().lower() == "auto" else
+        parse_bool(k, v), "readahead"),
     Key("readahead-min-size", "readahead_min_size", parse_size),
     Key("control", "control", absolute_file, "control"),
     Key("threshold", "thresholds", _threshold, "thresholds"),  # repeatable

@@ -23,7 +23,7 @@ from .ioprio import class_index, connection_class
 from .log import log
 from .params import load_params
 from .readahead import Readahead
-from .remote import open_source
+from .remote import is_uri, open_source
 from .roothash import root_digest
 from .verifier import Verifier, VerifyOptions
 
@@ -66,6 +66,10 @@ class Device:
         self.default_class = class_index(config.default_class, "default-class")
         self.dispatcher = Dispatcher(self.verifier.read, self.geo.data_block_size, table,
                                      config.workers)
+        # Readahead by default only where reads have latency of their own: for a local
+        # file the kernel's page cache reads the hash image ahead already (benchmarks.md).
+        self.readahead = (config.readahead if config.readahead is not None
+                          else is_uri(config.hash))
         self.control = (ControlServer(config.control, Control(self))
                         if config.control else None)
         self.started = time.monotonic()
@@ -140,9 +144,8 @@ class Connection:
     def __init__(self, device: Device, io_class: int | None = None) -> None:
         self.device = device
         self.io_class = device.default_class if io_class is None else io_class
-        cfg = device.config
-        self.readahead = (Readahead(device.verifier, cfg.readahead_min_size)
-                          if cfg.readahead else None)
+        self.readahead = (Readahead(device.verifier, device.config.readahead_min_size)
+                          if device.readahead else None)
 
     @classmethod
     def open(cls, device: Device) -> Connection:

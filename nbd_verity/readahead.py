@@ -39,23 +39,26 @@ class Readahead:
         self.last_end = -1  # where the connection's previous request ended
         self.next_leaf = -1  # the first leaf past the stream's last readahead
         self.window = 0  # leaves in the stream's next readahead (0: no stream yet)
+        geo = verifier.geo
+        # data bytes one leaf covers (0: no level 0, nothing to read ahead)
+        self.leaf_bytes = geo.data_block_size << geo.hpb_bits if geo.levels else 0
 
     def before_read(self, offset: int, length: int) -> None:
         """Prefetch what this request (offset, length) and its stream will need."""
-        geo = self.verifier.geo
         sequential = offset == self.last_end
-        self.last_end = offset + length
-        if geo.levels == 0:
+        self.last_end = end = offset + length
+        if not self.leaf_bytes:
             return
+        last_leaf = (end - 1) // self.leaf_bytes
+        if sequential and last_leaf < self.next_leaf:
+            return  # the fast path: the window read ahead already covers this request
+        geo = self.verifier.geo
         first, blocks = block_span(offset, length, geo.data_block_size)
         if not sequential:
             self.window, self.next_leaf = 0, -1
             if length >= self.min_size:
                 self.verifier.prefetch(first, blocks + blocks // 4)
             return
-        last_leaf = (first + blocks - 1) >> geo.hpb_bits
-        if last_leaf < self.next_leaf:
-            return  # the window read ahead already covers this request
         self.window = min(INITIAL_LEAVES if self.window == 0 else self.window * 2,
                           self.max_leaves)
         start = max(first >> geo.hpb_bits, self.next_leaf)

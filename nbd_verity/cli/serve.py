@@ -27,7 +27,9 @@ from .common import edge, image_arguments
               help="Verify each data block only the first time it is read.")
 @click.option("--cache-size", default=None, metavar="SIZE",
               help="Bytes of verified level-0 hash blocks to keep (default 64M).")
-@click.option("--readahead/--no-readahead", default=True, help="Merkle readahead (default on).")
+@click.option("--readahead/--no-readahead", default=None,
+              help="Merkle readahead (default: on for an NBD/HTTP/S3 hash image, off for a "
+                   "local file, which the kernel's page cache reads ahead).")
 @click.option("--threads", type=click.IntRange(1, 1024), default=None,
               help="nbdkit worker threads per connection.")
 @click.option("--pid-file", default=None, metavar="PATH", help="nbdkit writes its pid here.")
