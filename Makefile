@@ -6,7 +6,7 @@ DEB_PACKAGES := nbdkit nbdkit-plugin-python python3-libnbd libnbd-bin fio crypts
 	nbd-client python3-venv nbdfuse fuse3 e2fsprogs util-linux openssl \
 	user-mode-linux slirp socat busybox-static iproute2 systemd lighttpd
 
-.PHONY: setup demo test lint bench bench-format e2e e2e-bench clean
+.PHONY: setup demo test lint bench bench-format bench-latency e2e e2e-bench clean
 
 setup: $(VENV)/.installed
 
@@ -46,6 +46,10 @@ e2e-bench: setup
 
 bench-format: setup
 	$(PY) bench/format.py
+
+# Readahead with the hash image behind nbdkit's delay filter (docs/benchmarks.md)
+bench-latency: setup
+	$(PY) bench/latency.py --write
 
 clean:
 	rm -rf $(VENV) demo .pytest_cache .hypothesis
