@@ -5,9 +5,9 @@ PY := $(VENV)/bin/python
 DEB_PACKAGES := nbdkit nbdkit-plugin-python python3-libnbd libnbd-bin fio cryptsetup-bin \
 	nbd-client python3-venv python3-asn1crypto python3-cryptography nbdfuse fuse3 e2fsprogs \
 	util-linux openssl user-mode-linux slirp socat busybox-static iproute2 systemd \
-	gcc python3-dev libssl-dev
+	gcc python3-dev libssl-dev lighttpd
 
-.PHONY: setup demo test lint bench bench-format bench-fec e2e e2e-bench soak clean
+.PHONY: setup demo test lint bench bench-format bench-fec bench-latency e2e e2e-bench soak clean
 
 setup: $(VENV)/.installed
 
@@ -54,6 +54,10 @@ bench-format: setup
 
 bench-fec: setup
 	$(PY) bench/fec.py
+
+# Readahead with the hash image behind nbdkit's delay filter (docs/benchmarks.md)
+bench-latency: setup
+	$(PY) bench/latency.py --write
 
 clean:
 	rm -rf $(VENV) demo .pytest_cache .hypothesis

@@ -166,7 +166,7 @@ def run_readahead(cfg: Settings, image: images.Image, out: dict) -> None:
     for bs in (4 * KIB, 512 * KIB, 2 * MIB):
         job = Job("read", bs, 8, 1, cfg.runtime, time_based=False)
         for readahead in (False, True):
-            options = [] if readahead else ["--no-readahead"]
+            options = ["--readahead" if readahead else "--no-readahead"]
             with servers.verity_server("readahead", image, options) as server:
                 server.ctl({"cmd": "stats", "reset": True})
                 say(f"readahead {'on' if readahead else 'off'}: {job.label()}")

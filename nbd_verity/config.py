@@ -70,6 +70,13 @@ def absolute_file(key: str, text: str) -> str:
     return os.path.abspath(text)
 
 
+def image_location(key: str, text: str) -> str:
+    """An image: an NBD URI (nbd://, nbds://, nbd+unix://) as given, else a path made
+    absolute."""
+    from .remote import check_uri, is_uri  # no libnbd import until a URI is opened
+    return check_uri(key, text) if is_uri(text) else absolute_file(key, text)
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """Everything the server needs, validated."""
@@ -83,7 +90,7 @@ class ServerConfig:
     ignore_zero_blocks: bool = False
     check_at_most_once: bool = False
     cache_size: int = DEFAULT_CACHE_SIZE
-    readahead: bool = True
+    readahead: bool | None = None  # None (auto): on for an NBD hash source, off for a file
     readahead_min_size: int = READAHEAD_MIN_SIZE
     control: str | None = None
     thresholds: dict = field(default_factory=dict)  # class name -> bytes
@@ -148,8 +155,8 @@ class Key:
 # Every plugin key, once: nbdkit's config() parses with it and `serve` derives its nbdkit
 # argument list from it (plugin_pairs), so the two front ends cannot drift apart.
 KEYS = (
-    Key("data", "data", absolute_file, "data"),
-    Key("hash", "hash", absolute_file, "hash_image"),
+    Key("data", "data", image_location, "data"),
+    Key("hash", "hash", image_location, "hash_image"),
     Key("root-hash", "root_hash", _text, "root_hash"),
     Key("root-hash-file", "root_hash_file", absolute_file, "root_hash_file"),
     Key("hash-offset", "tree.hash_offset", parse_size, "hash_offset"),
@@ -164,7 +171,8 @@ KEYS = (
     Key("ignore-zero-blocks", "ignore_zero_blocks", parse_bool, "ignore_zero_blocks"),
     Key("check-at-most-once", "check_at_most_once", parse_bool, "check_at_most_once"),
     Key("cache-size", "cache_size", parse_size, "cache_size"),
-    Key("readahead", "readahead", parse_bool, "readahead"),
+    Key("readahead", "readahead", lambda k, v: None if v.strip().lower() == "auto" else
+        parse_bool(k, v), "readahead"),
     Key("readahead-min-size", "readahead_min_size", parse_size),
     Key("control", "control", absolute_file, "control"),
     Key("threshold", "thresholds", _threshold, "thresholds"),  # repeatable
@@ -186,6 +194,8 @@ def _render(key: Key, value) -> str:
     """A `serve` option's value as the plugin key's text (paths made absolute)."""
     if key.parse is absolute_file:
         return os.path.abspath(value)
+    if key.parse is image_location:
+        return image_location(key.name, value)
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, bytes):

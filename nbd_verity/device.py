@@ -22,8 +22,9 @@ from .errors import ConfigError, CorruptionError, ImageIOError
 from .ioprio import class_index, connection_class
 from .log import log
 from .params import load_params
+from .readahead import Readahead
+from .remote import is_uri, open_source
 from .roothash import root_digest
-from .source import ImageFile
 from .trust.root import TrustedRoot, resolve_root
 from .verifier import Verifier, VerifyOptions
 
@@ -44,9 +45,10 @@ class Device:
         self.hooks = hooks or Hooks()
         self.trust = trusted_root(config)
         self.hash_path = self.trust.hash_image
-        self.data = ImageFile(config.data, "data")
-        self.hashes = ImageFile(self.hash_path, "hash")
-        self.params = load_params(self.hash_path, config.tree, self.data.size())
+        self.data = open_source(config.data, "data")  # a local file or an NBD URI
+        self.hashes = open_source(self.hash_path, "hash")
+        self.params = load_params(self.hash_path, config.tree, self.data.size(),
+                                  source=self.hashes)
         self.geo = self.params.geometry()
         root = root_digest(self.trust.root_hex, self.params.digester().digest_size)
         self._check_sizes()
@@ -67,6 +69,10 @@ class Device:
         self.default_class = class_index(config.default_class, "default-class")
         self.dispatcher = Dispatcher(self.verifier.read, self.geo.data_block_size, table,
                                      config.workers)
+        # Readahead by default only where reads have latency of their own: for a local
+        # file the kernel's page cache reads the hash image ahead already (benchmarks.md).
+        self.readahead = (config.readahead if config.readahead is not None
+                          else is_uri(self.hash_path))
         self.control = (ControlServer(config.control, Control(self))
                         if config.control else None)
         self.started = time.monotonic()
@@ -95,13 +101,24 @@ class Device:
         """Everything the control socket's `stats` reports."""
         totals = self.verifier.counters.snapshot()
         totals.update(cache_hits=self.cache.hits, cache_misses=self.cache.misses,
-                      cached_hash_blocks=len(self.cache), cache_evictions=self.cache.evictions)
+                      cached_hash_blocks=len(self.cache), cache_evictions=self.cache.evictions,
+                      **self.source_counters())
         return {"classes": self.dispatcher.stats.snapshot(), "totals": totals,
                 **self.status(), "thresholds": table_dict(self.dispatcher.table),
                 "workers": self.dispatcher.workers,
                 "chunk_size": self.dispatcher.chunk_size}
 
+    def source_counters(self) -> dict:
+        """source_errors and reconnects, summed over the NBD sources (0 for files)."""
+        totals = {"source_errors": 0, "reconnects": 0}
+        for source in (self.data, self.hashes):
+            for name, value in getattr(source, "counters", dict)().items():
+                totals[name] += value
+        return totals
+
     def reset_stats(self) -> None:
+        for source in (self.data, self.hashes):
+            getattr(source, "reset_counters", lambda: None)()
         self.verifier.counters.reset()
         self.cache.reset_counters()
         self.dispatcher.stats.reset()
@@ -134,12 +151,13 @@ def _threshold_value(name: str, text) -> int:
 
 
 class Connection:
-    """Per-client state: its I/O class, and where its last read ended (for readahead)."""
+    """Per-client state: its I/O class and its Merkle readahead (readahead.py)."""
 
     def __init__(self, device: Device, io_class: int | None = None) -> None:
         self.device = device
         self.io_class = device.default_class if io_class is None else io_class
-        self.last_end = -1
+        self.readahead = (Readahead(device.verifier, device.config.readahead_min_size)
+                          if device.readahead else None)
 
     @classmethod
     def open(cls, device: Device) -> Connection:
@@ -152,14 +170,10 @@ class Connection:
     def read(self, buf: memoryview, offset: int) -> None:
         """Verified read of len(buf) bytes at offset, with Merkle readahead."""
         device = self.device
-        cfg = device.config
-        length = len(buf)
-        if length == 0:
+        if len(buf) == 0:
             return
-        if cfg.readahead and (length >= cfg.readahead_min_size or offset == self.last_end):
-            first, blocks = block_span(offset, length, device.geo.data_block_size)
-            device.verifier.prefetch(first, blocks + blocks // 4)
-        self.last_end = offset + length
+        if self.readahead is not None:
+            self.readahead.before_read(offset, len(buf))
         try:
             device.dispatcher.read(buf, offset, self.io_class)
         except ImageIOError as e:

@@ -100,13 +100,18 @@ def check_hash_offset(hash_offset: int) -> int:
     return hash_offset
 
 
-def read_superblock(hash_path: str, hash_offset: int = 0) -> Superblock:
-    """Read and validate the superblock at hash_offset of the hash image."""
+def read_superblock(hash_path: str, hash_offset: int = 0, source=None) -> Superblock:
+    """Read and validate the superblock at hash_offset of the hash image (through source,
+    an opened image such as remote.NbdSource, when given)."""
     check_hash_offset(hash_offset)
     try:
-        with open(hash_path, "rb") as f:
-            f.seek(hash_offset)
-            buf = f.read(SUPERBLOCK_SIZE)
+        if source is not None:
+            end = min(source.size(), hash_offset + SUPERBLOCK_SIZE)
+            buf = bytes(source.read(max(0, end - hash_offset), hash_offset))
+        else:
+            with open(hash_path, "rb") as f:
+                f.seek(hash_offset)
+                buf = f.read(SUPERBLOCK_SIZE)
     except OSError as e:
         where = f": cannot read a superblock at offset {hash_offset}" if hash_offset else ""
         raise ImageIOError(f"{hash_path}{where}: {e.strerror}") from None
@@ -133,25 +138,27 @@ def params_from_superblock(sb: Superblock, hash_offset: int = 0) -> VerityParams
         raise SuperblockError(f"superblock: {e}") from None
 
 
-def read_params(hash_path: str, hash_offset: int = 0) -> VerityParams:
+def read_params(hash_path: str, hash_offset: int = 0, source=None) -> VerityParams:
     """Parameters from the superblock at hash_offset; errors name the hash image."""
-    sb = read_superblock(hash_path, hash_offset)
+    sb = read_superblock(hash_path, hash_offset, source)
     try:
         return params_from_superblock(sb, hash_offset)
     except SuperblockError as e:
         raise SuperblockError(f"{hash_path}: {e}") from None
 
 
-def load_params(hash_path: str, options: dict, data_size: int | None = None) -> VerityParams:
+def load_params(hash_path: str, options: dict, data_size: int | None = None,
+                source=None) -> VerityParams:
     """Parameters of an existing tree: from its superblock, or from options without one.
 
     options holds what the user gave (None for unset): hash_type, algorithm,
     data_block_size, hash_block_size, data_blocks, salt, hash_offset, no_superblock.
     A superblock wins, but an option that contradicts it is an error, as it is a mistake.
+    source is the opened hash image, if it is not a local file (read_superblock).
     """
     hash_offset = check_hash_offset(options.get("hash_offset") or 0)
     if not options.get("no_superblock"):
-        params = read_params(hash_path, hash_offset)
+        params = read_params(hash_path, hash_offset, source)
         for key, option in (("hash_type", "format"), ("algorithm", "hash"),
                             ("data_block_size", "data-block-size"),
                             ("hash_block_size", "hash-block-size"),

@@ -158,9 +158,18 @@ class Verifier:
         geo = self.geo
         if geo.levels == 0 or blocks <= 0:
             return 0
-        last_leaf = geo.level_blocks[0] - 1
-        lo = first_block >> geo.hpb_bits
-        hi = min((first_block + blocks - 1) >> geo.hpb_bits, last_leaf)
+        return self.prefetch_leaves(first_block >> geo.hpb_bits,
+                                    (first_block + blocks - 1) >> geo.hpb_bits)
+
+    def prefetch_leaves(self, lo: int, hi: int) -> int:
+        """Read level-0 blocks lo..hi (clipped to the tree) in one read, verify each
+        against its parent and cache it; cached ends are not read again. Returns how
+        many were added. A failed read adds none: readahead is a hint, and the read
+        that needs a block reports the problem."""
+        geo = self.geo
+        if geo.levels == 0:
+            return 0
+        hi = min(hi, geo.level_blocks[0] - 1)
         start = geo.level_start[0]
         while lo <= hi and self.cache.contains(start + lo):  # trim cached ends
             lo += 1
@@ -172,7 +181,7 @@ class Verifier:
         try:
             run = self.hashes.read((hi - lo + 1) * hbs, (start + lo) * hbs)
         except ImageIOError:
-            return 0  # readahead is a hint; the read itself will report the problem
+            return 0
         self.counters.add(hash_reads=1, hash_blocks_read=hi - lo + 1, readaheads=1)
         added = 0
         for index in range(lo, hi + 1):

@@ -1,7 +1,9 @@
 """`nbd-verity serve DATA [HASH [ROOT_HASH]]`: options forwarded to launch.exec_server.
 
 The options become the plugin's key=value pairs through config.KEYS (config.plugin_pairs),
-the one table of plugin keys; the listening options become nbdkit's own.
+the one table of plugin keys; the listening options become nbdkit's own. DATA and HASH
+are paths, NBD URIs, or http(s):// and s3:// URLs, for which captive upstream nbdkits are
+started first (upstream.attach).
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ from .common import edge, image_arguments
               help="Verify each data block only the first time it is read.")
 @click.option("--cache-size", default=None, metavar="SIZE",
               help="Bytes of verified level-0 hash blocks to keep (default 64M).")
-@click.option("--readahead/--no-readahead", default=True, help="Merkle readahead (default on).")
+@click.option("--readahead/--no-readahead", default=None,
+              help="Merkle readahead (default: on for an NBD/HTTP/S3 hash image, off for a "
+                   "local file, which the kernel's page cache reads ahead).")
 @click.option("--threads", type=click.IntRange(1, 1024), default=None,
               help="nbdkit worker threads per connection.")
 @click.option("--pid-file", default=None, metavar="PATH", help="nbdkit writes its pid here.")
@@ -49,19 +53,31 @@ from .common import edge, image_arguments
               help="nbdkit thread model (default serialize-requests).")
 @click.option("--log-rate", type=click.IntRange(0), default=None, metavar="LINES",
               help="Log lines a minute before a summary (default 120; 0: no limit).")
+@click.option("--upstream-cache", is_flag=True,
+              help="For http(s)/s3 images: nbdkit's cache filter below verification.")
+@click.option("--upstream-cache-size", default=None, metavar="SIZE",
+              help="Bound of that cache (nbdkit's cache-max-size, e.g. 1G).")
 @edge
 def serve_cmd(ignore_corruption, restart_on_corruption, unix, port, bind, threads, pid_file,
-              exit_with_parent, verbose, **options) -> None:
+              exit_with_parent, verbose, upstream_cache, upstream_cache_size,
+              **options) -> None:
     """Serve DATA over NBD, verifying every byte against HASH and ROOT_HASH (or the
-    IMAGE.verity, IMAGE.roothash and IMAGE.roothash.p7s beside DATA)."""
+    IMAGE.verity, IMAGE.roothash and IMAGE.roothash.p7s beside DATA).
+
+    DATA and HASH are paths, NBD URIs (nbd://, nbds://, nbd+unix://) or http(s):// and
+    s3:// URLs (read through nbdkit's curl or S3 plugin, started here)."""
     from ..config import plugin_pairs  # the server side, imported only to serve
-    from ..launch import exec_server
+    from ..launch import check_listen, exec_server
+    from ..upstream import UpstreamOptions, attach
     if ignore_corruption and restart_on_corruption:
         raise click.UsageError("--ignore-corruption and --restart-on-corruption conflict")
     if options.get("serialize") is False:  # --parallel: nbdkit's parallel thread model
         if options.get("thread_model") not in (None, "parallel"):
             raise click.UsageError("--parallel conflicts with --thread-model")
         options["serialize"], options["thread_model"] = None, "parallel"
+    check_listen({"unix": unix, "port": port})
+    images = {role: options[role] for role in ("data", "hash_image") if options[role]}
+    options.update(attach(images, UpstreamOptions(upstream_cache, upstream_cache_size)))
     options["error_mode"] = ("ignore-corruption" if ignore_corruption else
                              "restart-on-corruption" if restart_on_corruption else None)
     exec_server(plugin_pairs(options),

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import sys
 
-from . import offline, serving, trust
+from . import offline, remote, serving, trust
 from .walkthrough import run_steps
 
-STEPS = (*offline.STEPS, *serving.STEPS, *trust.STEPS)
+STEPS = (*offline.STEPS, *serving.STEPS, *trust.STEPS, *remote.STEPS)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,236 @@
+"""Image bytes from an NBD server (nbd://, nbds://, nbd+unix://), and the one factory that
+opens a data or hash source from its text (open_source): a URI, or a local path.
+
+Everything read here is untrusted, like a local file: the verifier checks it before any
+byte is served. What this module adds is the failure model of a network:
+- a read goes straight into the caller's buffer (nbd.Buffer.from_buffer shares the
+  memoryview: no copy) with libnbd's asynchronous pread, and the GIL is released while
+  libnbd waits (its bindings release it in every call);
+- a read that fails, times out or finds the connection dropped raises ImageIOError (the
+  plugin's EIO for that request only); a dropped or timed-out connection is closed and
+  the next read opens a new one (`reconnects`); both are counted for `ctl stats`;
+- parallel requests use a pool of connections, each carrying one request at a time and
+  opened only when requests overlap, up to DEFAULT_CONNECTIONS, but only if the upstream
+  advertises multi-conn (NBD_FLAG_CAN_MULTI_CONN); otherwise one connection, which
+  requests take in turn. Measured with 8 threads of 64 KiB reads against an upstream
+  with 1 ms per read: 46, 96, 173 and 338 MB/s with 1, 2, 4 and 8 connections (one per
+  thread wins when reads wait); without the delay all sizes gave 740-910 MB/s (CPU
+  bound). So the bound is nbdkit's default of 16 threads per client: in effect a handle
+  per busy thread, without idle connections for idle threads.
+
+The pool's lock guards the idle list, the number of open connections and the counters;
+it is never held during I/O.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import urllib.parse
+
+from .errors import ConfigError, ImageIOError
+from .source import ImageFile
+
+URI_SCHEMES = ("nbd", "nbds", "nbd+unix", "nbds+unix")
+DEFAULT_CONNECTIONS = 16  # pool bound with multi-conn: nbdkit's threads per client
+READ_TIMEOUT_S = 60.0  # a read taking longer is an error and its connection is dropped
+POLL_SLICE_MS = 1000  # libnbd poll timeout per wait, so the deadline is checked
+MAX_READ_SIZE = 32 << 20  # NBD servers (nbdkit included) refuse larger requests
+
+
+def is_uri(text: str) -> bool:
+    """Whether an image is named by an NBD URI (else it is a local path)."""
+    return urllib.parse.urlsplit(text).scheme in URI_SCHEMES
+
+
+def redacted(uri: str) -> str:
+    """A URI for messages, without the user part (NBD URIs may carry a TLS user name)."""
+    parts = urllib.parse.urlsplit(uri)
+    netloc = parts.netloc.rsplit("@", 1)[-1]
+    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, parts.query, ""))
+
+
+def open_source(text: str, role: str):
+    """The source of the data or hash image: NbdSource for a URI, else ImageFile."""
+    return NbdSource(text, role) if is_uri(text) else ImageFile(text, role)
+
+
+class NbdSource:
+    """A read-only image on an NBD server, with ImageFile's interface."""
+
+    def __init__(self, uri: str, role: str, connections: int = DEFAULT_CONNECTIONS,
+                 timeout_s: float = READ_TIMEOUT_S) -> None:
+        self.path = uri  # as ImageFile.path: what messages name
+        self.role = role
+        self.timeout_s = timeout_s
+        self.source_errors = 0  # reads that failed (each one an EIO or a skipped readahead)
+        self.reconnects = 0  # connections opened to replace a dropped one
+        self._lock = threading.Lock()
+        self._free = threading.Condition(self._lock)
+        self._idle: list = []
+        self._open = 0  # connections in existence (idle or in use)
+        self._dropped = False  # a connection was lost since the last one was opened
+        first = self._connect()  # start-up: a refused connection is a clear error here
+        self._size = first.get_size()
+        self.multi_conn = bool(first.can_multi_conn())
+        self.max_connections = max(1, connections) if self.multi_conn else 1
+        self._max_read = _max_read_size(first)
+        self._open = 1
+        self._idle.append(first)
+
+    # -- connections ------------------------------------------------------------------
+
+    def _connect(self):
+        import nbd  # Debian python3-libnbd; only servers with NBD sources need it
+        h = nbd.NBD()
+        h.set_pread_initialize(False)  # the bytes are verified or the request fails
+        try:
+            h.connect_uri(self.path)
+        except nbd.Error as e:
+            _close(h)
+            raise ImageIOError(f"{self.role}: {redacted(self.path)}: {e.string}") from None
+        return h
+
+    def _take(self):
+        """An idle connection, a new one (up to the limit), or wait for one."""
+        with self._free:
+            while not self._idle and self._open >= self.max_connections:
+                self._free.wait()
+            if self._idle:
+                return self._idle.pop()
+            self._open += 1
+            replacing = self._dropped
+            self._dropped = False
+        try:
+            h = self._connect()
+        except ImageIOError:
+            with self._free:
+                self._open -= 1
+                self._dropped = self._dropped or replacing
+                self.source_errors += 1
+                self._free.notify()
+            raise
+        if replacing:
+            with self._lock:
+                self.reconnects += 1
+        return h
+
+    def _give_back(self, h, broken: bool) -> None:
+        """Return a connection to the pool, or close it if it can no longer be trusted to
+        answer (dropped, timed out with a request in flight)."""
+        if broken:
+            _close(h)
+        with self._free:
+            if broken:
+                self._open -= 1
+                self._dropped = True
+            else:
+                self._idle.append(h)
+            self._free.notify()
+
+    # -- ImageFile's interface --------------------------------------------------------
+
+    def size(self) -> int:
+        return self._size
+
+    def read_into(self, buf: memoryview, offset: int) -> None:
+        """Fill buf with the bytes at offset, or raise ImageIOError (counted)."""
+        total = len(buf)
+        if offset + total > self._size:
+            with self._lock:
+                self.source_errors += 1
+            raise ImageIOError(f"{self.role} image {redacted(self.path)} ends at byte "
+                               f"{self._size}, {offset + total} needed")
+        h = self._take()
+        broken = True
+        try:
+            for start in range(0, total, self._max_read):
+                piece = buf[start:start + self._max_read]
+                self._pread(h, piece, offset + start)
+            broken = False
+        except ImageIOError:
+            with self._lock:
+                self.source_errors += 1
+            broken = _is_dead(h)
+            raise
+        finally:
+            self._give_back(h, broken)
+
+    def _pread(self, h, piece: memoryview, offset: int) -> None:
+        """One NBD read into piece (shared, not copied); raises ImageIOError. A timed-out
+        read leaves its connection dead (closed by the caller)."""
+        import nbd
+        where = f"{self.role} image {redacted(self.path)}: read at byte {offset}"
+        deadline = time.monotonic() + self.timeout_s
+        try:
+            cookie = h.aio_pread(nbd.Buffer.from_buffer(piece), offset)
+            while not h.aio_command_completed(cookie):
+                if time.monotonic() > deadline:
+                    h.shutdown(nbd.SHUTDOWN_ABANDON_PENDING)
+                    raise ImageIOError(f"{where}: no reply in {self.timeout_s:g} s")
+                h.poll(POLL_SLICE_MS)
+        except nbd.Error as e:
+            raise ImageIOError(f"{where}: {e.string}") from None
+
+    def read(self, size: int, offset: int) -> bytearray:
+        buf = bytearray(size)
+        self.read_into(memoryview(buf), offset)
+        return buf
+
+    def counters(self) -> dict:
+        with self._lock:
+            return {"source_errors": self.source_errors, "reconnects": self.reconnects}
+
+    def reset_counters(self) -> None:
+        with self._lock:
+            self.source_errors = self.reconnects = 0
+
+    def close(self) -> None:
+        with self._free:
+            idle, self._idle = self._idle, []
+            self._open -= len(idle)
+        for h in idle:
+            _close(h)
+
+
+def _max_read_size(h) -> int:
+    """The largest read the server takes (its advertised maximum, else 32 MiB)."""
+    import nbd
+    try:
+        advertised = h.get_block_size(nbd.SIZE_MAXIMUM)
+    except nbd.Error:
+        advertised = 0
+    return min(advertised, MAX_READ_SIZE) if advertised > 0 else MAX_READ_SIZE
+
+
+def _is_dead(h) -> bool:
+    """Whether a handle lost its connection (a server-side error leaves it usable)."""
+    try:
+        return bool(h.aio_is_dead() or h.aio_is_closed())
+    except Exception:  # a handle we cannot ask is not reused
+        return True
+
+
+def _close(h) -> None:
+    """Disconnect and free a handle now (libnbd 1.14's Python class has no close():
+    __del__ is the close, and it must not run twice)."""
+    import nbd
+    if not hasattr(h, "_o"):
+        return
+    try:
+        if not (h.aio_is_dead() or h.aio_is_closed()):
+            h.shutdown()
+    except nbd.Error:
+        pass
+    h.__del__()
+    del h._o
+
+
+def check_uri(key: str, text: str) -> str:
+    """A URI as a plugin key's value: one of the NBD schemes, with a socket for +unix."""
+    parts = urllib.parse.urlsplit(text)
+    if parts.scheme not in URI_SCHEMES:
+        raise ConfigError(f"{key}: {text!r} is not an NBD URI ({', '.join(URI_SCHEMES)})")
+    if parts.scheme.endswith("+unix") and "socket=" not in parts.query:
+        raise ConfigError(f"{key}: {text!r} names no socket (?socket=PATH)")
+    return text

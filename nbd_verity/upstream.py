@@ -1,0 +1,132 @@
+"""Captive upstream servers for `nbd-verity serve https://...` and `s3://...`.
+
+Our Python plugin cannot speak HTTP or S3 itself, and cannot stack nbdkit's C filters on
+top of its own sources, so `serve` starts one nbdkit per remote image first, with
+nbdkit's own `curl` (or `S3`) plugin, its `retry` filter and, when asked, its `cache`
+filter, on a private Unix socket, and gives the verifying server an nbd+unix:// URI
+instead of the URL. Everything below our verification is untrusted, the cache included:
+a cache below the trust boundary is safe (a wrong byte in it is caught like a wrong byte
+on the server), one above it would not be.
+
+Lifetime: each upstream runs with `--exit-with-parent` (prctl PR_SET_PDEATHSIG), started
+by the `serve` process just before it execs nbdkit. The death signal follows the parent
+*process* across execve (exec keeps the pid, and the kernel sends it when the parent
+thread that forked the child exits, here the main thread, which is the one that execs),
+so the upstreams stop when the verifying nbdkit stops, whatever stops it. The sockets
+live in a private 0700 directory (tempfile.mkdtemp) under $RUNTIME_DIRECTORY (systemd's
+RuntimeDirectory=, removed with the unit) or $TMPDIR; nbdkit removes its socket and pid
+file when it exits, the empty directory stays behind outside systemd.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import tempfile
+import urllib.parse
+from dataclasses import dataclass
+
+from .errors import ConfigError
+from .launch import NBDKIT, START_TIMEOUT, Launched
+
+REMOTE_SCHEMES = ("http", "https", "s3")
+# The retry filter's budget: 3 retries after 1, 2 and 4 s (7 s in all) keeps a request
+# under the Linux nbd client's 30 s default timeout, yet rides out a server restart.
+RETRY_KEYS = ("retries=3", "retry-delay=1")
+
+
+@dataclass(frozen=True)
+class UpstreamOptions:
+    """How `serve` builds each captive upstream."""
+
+    cache: bool = False  # nbdkit's cache filter (cache-on-read) below verification
+    cache_size: str | None = None  # the cache filter's cache-max-size, e.g. "1G"
+
+
+def is_remote(text: str) -> bool:
+    """An image named by a URL that needs a captive upstream (http, https, s3)."""
+    return urllib.parse.urlsplit(text).scheme in REMOTE_SCHEMES
+
+
+def plugin_args(url: str) -> list[str]:
+    """nbdkit's plugin and its keys for one URL."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme in ("http", "https"):
+        # protocols= keeps a redirect from leaving HTTP(S) (file://, for one)
+        return ["curl", f"url={url}", "protocols=http,https"]
+    bucket, key = parts.netloc, parts.path.lstrip("/")
+    if not bucket or not key:
+        raise ConfigError(f"{url}: an S3 URL is s3://BUCKET/KEY")
+    if importlib.util.find_spec("boto3") is None:
+        raise ConfigError(f"{url}: nbdkit's S3 plugin needs boto3, which this Python "
+                          f"cannot import (Debian: apt-get install python3-boto3)")
+    return ["S3", f"bucket={bucket}", f"key={key}"]
+
+
+def upstream_argv(url: str, socket_path: str, pid_file: str,
+                  options: UpstreamOptions) -> list[str]:
+    """The captive nbdkit for one URL: read-only, foreground, dies with its parent."""
+    argv = [NBDKIT, "-f", "-r", "--exit-with-parent", "-U", socket_path, "-P", pid_file,
+            "--filter=multi-conn"]
+    # multi-conn: curl and S3 do not advertise it (they cannot flush), but this export is
+    # read-only and what it serves is verified, so parallel connections are safe and let
+    # the source read in parallel (remote.NbdSource uses one connection otherwise).
+    keys = ["multi-conn-mode=unsafe", *RETRY_KEYS]
+    if options.cache:  # filters nearest the client come first: cache above retry
+        argv.append("--filter=cache")
+        keys.append("cache-on-read=true")
+        if options.cache_size:
+            keys.append(f"cache-max-size={options.cache_size}")
+    argv.append("--filter=retry")
+    return [*argv, *plugin_args(url), *keys]
+
+
+def private_directory() -> str:
+    """A fresh 0700 directory for the upstream sockets (short: sun_path is 108 bytes)."""
+    base = os.environ.get("RUNTIME_DIRECTORY", "").split(":")[0] or None
+    return tempfile.mkdtemp(prefix="nbd-verity-up-", dir=base)
+
+
+def start_upstream(url: str, directory: str, name: str,
+                   options: UpstreamOptions) -> tuple[str, Launched]:
+    """Start one captive upstream and wait until it listens: (its URI, the process).
+
+    Its stderr is ours (the terminal or the journal), so curl's errors are seen."""
+    sock, pid_file = os.path.join(directory, f"{name}.sock"), os.path.join(directory,
+                                                                           f"{name}.pid")
+    server = Launched(upstream_argv(url, sock, pid_file, options), socket=sock,
+                      pid_file=pid_file, name=f"upstream for {name} ({url})")
+    server.proc = subprocess.Popen(server.argv, stdin=subprocess.DEVNULL,
+                                   stdout=subprocess.DEVNULL, env=server.env)
+    try:
+        server.wait_ready(START_TIMEOUT)
+    except BaseException:
+        server.stop()
+        raise
+    return f"nbd+unix:///?socket={sock}", server
+
+
+def attach(images: dict[str, str], options: UpstreamOptions) -> dict[str, str]:
+    """Replace each remote URL in images (role -> location) by the URI of its captive
+    upstream; local paths and NBD URIs pass through. One URL used twice (data and tree
+    in one object) gets one upstream. Stops what it started if one fails to start."""
+    remote = {role: text for role, text in images.items() if is_remote(text)}
+    if not remote:
+        return dict(images)
+    for text in remote.values():
+        plugin_args(text)  # refuse a bad URL before starting anything
+    directory = private_directory()
+    started: dict[str, str] = {}
+    servers: list[Launched] = []
+    try:
+        for role, text in remote.items():
+            if text not in started:
+                uri, server = start_upstream(text, directory, role, options)
+                started[text] = uri
+                servers.append(server)
+    except BaseException:
+        for server in servers:
+            server.stop()
+        raise
+    return {role: started.get(text, text) for role, text in images.items()}

@@ -1,0 +1,46 @@
+"""Real upstream servers for the remote-source tests: lighttpd serving image files over
+HTTP on 127.0.0.1, and plain nbdkit `file` servers (optionally behind nbdkit filters).
+
+Each is a process started in the foreground with a private configuration in the test's
+temporary directory, awaited by a check of the server itself (its pid file, its socket
+or TCP port accepting) and stopped by its pid (nbd_verity.launch.Launched).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from nbd_verity.demo.remote import Lighttpd, free_port
+from nbd_verity.launch import NBDKIT, Launched
+
+__all__ = ["Lighttpd", "NbdkitFile"]  # lighttpd's helper is the demo's, used as it is
+
+
+class NbdkitFile(Launched):
+    """nbdkit's C `file` plugin on a Unix socket (or TCP port), read-only, with filters."""
+
+    def __init__(self, path: Path, directory: str, name: str, filters: tuple[str, ...] = (),
+                 keys: tuple[str, ...] = (), tcp: bool = False) -> None:
+        self.sock = os.path.join(directory, f"{name}.sock")
+        pid_file = os.path.join(directory, f"{name}.pid")
+        self.port = free_port() if tcp else None
+        listen = ["-p", str(self.port), "-i", "127.0.0.1"] if tcp else ["-U", self.sock]
+        argv = [NBDKIT, "-f", "-r", "--exit-with-parent", *listen, "-P", pid_file,
+                *[f"--filter={f}" for f in filters], "file", str(path), *keys]
+        super().__init__(argv, socket=None if tcp else self.sock, pid_file=pid_file,
+                         log_path=os.path.join(directory, f"{name}.log"), name=name)
+        self.pid_path = pid_file
+
+    def start(self, ready: bool = True, timeout: float = 30.0) -> NbdkitFile:
+        for stale in (self.sock, self.pid_path):  # a killed nbdkit leaves them behind
+            if os.path.exists(stale):
+                os.unlink(stale)
+        super().start(ready, timeout)
+        return self
+
+    @property
+    def uri(self) -> str:
+        if self.port is not None:
+            return f"nbd://127.0.0.1:{self.port}/"
+        return f"nbd+unix:///?socket={self.sock}"
