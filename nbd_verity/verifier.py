@@ -108,8 +108,10 @@ class Verifier:
         # skipped (check-at-most-once), zero-filled (ignore-zero-blocks) or is the root.
         self._whole_runs = not (self.geo.levels == 0 or options.check_at_most_once
                                 or options.ignore_zero_blocks)
-        # The native engine reads and verifies an aligned run within one leaf in one call.
+        # The native engine reads and verifies an aligned run within one leaf in one call,
+        # from a local file's descriptor (an NBD source reads through libnbd instead).
         self._hasher = self.digester.native if self._whole_runs else None
+        self._reads_native = self._hasher is not None and isinstance(data, ImageFile)
 
     # -- start-up ---------------------------------------------------------------------
 
@@ -207,7 +209,7 @@ class Verifier:
         passes release_gil=True so that its workers hash on several cores at once."""
         dbs = self.geo.data_block_size
         if not offset % dbs and not len(buf) % dbs:  # aligned: the common case, no split
-            if self._hasher is not None and self._read_verify(buf, offset):
+            if self._reads_native and self._read_verify(buf, offset):
                 return
             self.data.read_into(buf, offset)
             self._verify_blocks(buf, offset // dbs, len(buf) // dbs, release_gil)
