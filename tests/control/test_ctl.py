@@ -40,7 +40,7 @@ def stats_rows(stdout: str) -> dict:
 
 
 def test_thresholds_show_set_and_preset(server):
-    server.ask({"cmd": "thresholds", "preset": "default"})
+    server.ask({"cmd": "thresholds", "preset": "seed"})
     shown = ctl(server.control, "thresholds")
     assert shown.returncode == 0, shown.stderr
     assert table_lines(shown.stdout) == dict.fromkeys(CLASSES, 4096)

@@ -22,8 +22,10 @@ MAX = 32 << 20  # the largest request the plugin advertises
 SIZES = (1, 4095, 4096, 4097, 8191, 8192, 8193, 65536, 65537, MAX)
 # table name -> (table, {class: expected path for each of SIZES})
 DECISIONS = {
-    "default": ((4096, 4096, 4096, 4096), {
+    "seed": ((4096, 4096, 4096, 4096), {
         "none": "IIIPPPPPPP", "rt": "IIIPPPPPPP", "be": "IIIPPPPPPP", "idle": "IIIPPPPPPP"}),
+    "default": ((1 << 20,) * 4, {
+        "none": "IIIIIIIIIP", "rt": "IIIIIIIIIP", "be": "IIIIIIIIIP", "idle": "IIIIIIIIIP"}),
     "kernel": ((8192, 8192, 8192, 0), {
         # idle 0: no request is 0 bytes, so idle never goes inline (0: all to the pool)
         "none": "IIIIIIPPPP", "rt": "IIIIIIPPPP", "be": "IIIIIIPPPP", "idle": "PPPPPPPPPP"}),
@@ -45,7 +47,8 @@ def test_decide(table, io_class, size, path):
 
 
 def test_presets_are_the_documented_tables():
-    assert dispatch.preset("default") == (4096, 4096, 4096, 4096)
+    assert dispatch.preset("default") == (1 << 20,) * 4
+    assert dispatch.preset("seed") == (4096, 4096, 4096, 4096)
     assert dispatch.preset("kernel") == (8192, 8192, 8192, 0)
 
 

@@ -95,7 +95,8 @@ def test_ctl_says_nothing_listens(tmp_path):
 
 def test_class_names_are_case_insensitive(servers, image):
     """Decided and documented (control.md): RT is rt everywhere; replies use lower case."""
-    server = servers.start(image, "--threshold", "IDLE=0", "--default-class", "Rt")
+    server = servers.start(image, "--threshold-preset", "seed", "--threshold", "IDLE=0",
+                           "--default-class", "Rt")
     result = ctl(server.control, "thresholds", "BE=65536")
     assert result.returncode == 0, result.stderr
     assert server.thresholds() == {"none": 4096, "rt": 4096, "be": 65536, "idle": 0}
