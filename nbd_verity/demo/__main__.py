@@ -1,13 +1,13 @@
-"""python -m nbd_verity.demo WORKDIR: the offline steps, the serving ones, then trust."""
+"""python -m nbd_verity.demo WORKDIR: the offline steps, the serving ones, trust, then FEC."""
 
 from __future__ import annotations
 
 import sys
 
-from . import offline, serving, trust
+from . import fec, offline, serving, trust
 from .walkthrough import run_steps
 
-STEPS = (*offline.STEPS, *serving.STEPS, *trust.STEPS)
+STEPS = (*offline.STEPS, *serving.STEPS, *trust.STEPS, *fec.STEPS)
 
 
 def main(argv: list[str] | None = None) -> int:
