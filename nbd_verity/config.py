@@ -103,6 +103,9 @@ class ServerConfig:
     require_signatures: bool = False  # the kernel's require_signatures: no start unsigned
     thread_model: str = "serialize-requests"
     log_rate: int = DEFAULT_LOG_RATE
+    fec_device: str | None = None  # Reed-Solomon parity, as veritysetup --fec-device
+    fec_roots: int = 2  # veritysetup's default --fec-roots
+    fec_offset: int = 0  # bytes into fec_device where the parity starts
 
     def __post_init__(self) -> None:
         if self.serialize and self.thread_model == "parallel":
@@ -185,6 +188,9 @@ KEYS = (
     Key("require-signatures", "require_signatures", parse_bool, "require_signatures"),
     Key("thread-model", "thread_model", _choice(THREAD_MODELS), "thread_model"),
     Key("log-rate", "log_rate", lambda k, v: parse_int(k, v, 0), "log_rate"),
+    Key("fec-device", "fec_device", absolute_file, "fec_device"),
+    Key("fec-roots", "fec_roots", lambda k, v: parse_int(k, v, 0), "fec_roots"),
+    Key("fec-offset", "fec_offset", parse_size, "fec_offset"),
 )
 _BY_NAME = {key.name: key for key in KEYS}
 _DEFAULTS = {f.name: f.default for f in fields(ServerConfig)}

@@ -57,8 +57,9 @@ class Device:
         self.cache = HashBlockCache(self.geo.hash_block_size, config.cache_size)
         options = VerifyOptions(config.mode, config.ignore_zero_blocks,
                                 config.check_at_most_once)
+        self.fec = open_fec(config, self)
         self.verifier = Verifier(self.params, self.data, self.hashes, root, self.cache,
-                                 options)
+                                 options, self.fec)
         try:
             self.verifier.check_root()
         except CorruptionError as e:
@@ -135,6 +136,19 @@ class Device:
         self.dispatcher.stop()
         self.data.close()
         self.hashes.close()
+        if self.fec is not None:
+            self.fec.close()
+
+
+def open_fec(config: ServerConfig, device: Device):
+    """The FEC device of config (fec-device), opened and checked; None without one."""
+    if config.fec_device is None:
+        if config.fec_roots != 2 or config.fec_offset:
+            raise ConfigError("fec-roots, fec-offset: given without fec-device")
+        return None
+    from .fec.served import ServedFec  # the codec only when FEC is configured
+    return ServedFec(device.params, device.data, device.hashes, device.hash_path,
+                     config.fec_device, config.fec_roots, config.fec_offset)
 
 
 def trusted_root(config: ServerConfig) -> TrustedRoot:

@@ -6,8 +6,11 @@ kept in the HashBlockCache and never re-read (no check/use gap). A data block is
 straight into the buffer that will be sent, hashed there, and compared with its slot in
 a verified level-0 block [kernel verity_hash_for_block, verity_verify_io]. On a data
 mismatch the block is re-read once into a private buffer (the kernel's verity_recheck)
-before it counts as corrupt. What happens next depends on the error mode
-(docs/server.md, "Error modes").
+before it counts as corrupt. With an FEC device, a block that still fails (and a hash block
+that fails its parent's slot or cannot be read) is then rebuilt from its codeword group
+and used only if it matches its trusted digest (fec/served.py, the kernel's
+verity_fec_decode); only what FEC cannot rebuild counts as corrupt. What happens next
+depends on the error mode (docs/server.md, "Error modes").
 Merkle readahead (fs-verity) fetches many level-0 blocks in one read and verifies them.
 """
 
@@ -15,7 +18,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from .blocks import split_request
 from .cache import HashBlockCache
@@ -24,6 +27,9 @@ from .log import log
 from .params import VerityParams
 from .source import ImageFile
 from .tally import Tally
+
+if TYPE_CHECKING:
+    from .fec.served import ServedFec
 
 READ_FAILED = -2  # _native.READ_FAILED: read_verify's read failed; Python reads again
 
@@ -43,19 +49,20 @@ class Counters:
     """Totals kept for the control socket, counted per thread without a lock (tally.py)."""
 
     FIELDS = ("data_blocks_verified", "hash_reads", "hash_blocks_read", "corruptions",
-              "readaheads", "io_errors")
+              "readaheads", "io_errors", "fec_corrected", "fec_failed")
     _INDEX: ClassVar[dict[str, int]] = {name: i for i, name in enumerate(FIELDS)}
 
     def __init__(self) -> None:
         self._tally = Tally(len(self.FIELDS))
         self._lock = threading.Lock()  # orders corruptions for the log cap only
         self._seen = 0
+        self._repaired = 0  # FEC repairs, ordered for the log cap
         self.corrupted = False  # status 'C' once any corruption was seen; never cleared
 
     def reset(self) -> None:
         self._tally.reset()
         with self._lock:
-            self._seen = 0
+            self._seen = self._repaired = 0
 
     def add(self, **amounts: int) -> None:
         row = self._tally.row()
@@ -74,6 +81,14 @@ class Counters:
             self._seen += 1
             return self._seen
 
+    def fec_corrected(self) -> int:
+        """Count a block FEC rebuilt; return how many were, this one included. The status
+        stays 'V': as the kernel, only what FEC cannot repair is a corruption."""
+        self.add(fec_corrected=1)
+        with self._lock:
+            self._repaired += 1
+            return self._repaired
+
     def snapshot(self) -> dict:
         return dict(zip(self.FIELDS, self._tally.totals(), strict=True))
 
@@ -91,12 +106,14 @@ class Verifier:
     """Reads and verifies data ranges of one verity device."""
 
     def __init__(self, params: VerityParams, data: ImageFile, hashes: ImageFile, root: bytes,
-                 cache: HashBlockCache, options: VerifyOptions = VerifyOptions()) -> None:
+                 cache: HashBlockCache, options: VerifyOptions = VerifyOptions(),
+                 fec: ServedFec | None = None) -> None:
         self.params = params
         self.geo = params.geometry()
         self.digester = params.digester()
         self.data, self.hashes, self.root = data, hashes, root
         self.cache, self.options = cache, options
+        self.fec = fec
         self.counters = Counters()
         dbs = self.geo.data_block_size
         self._zero_block = bytes(dbs)
@@ -134,12 +151,26 @@ class Verifier:
         if data is not None:
             return data
         hbs = self.geo.hash_block_size
-        data = bytes(self.hashes.read(hbs, block * hbs))
+        unreadable = None
+        try:
+            data = bytes(self.hashes.read(hbs, block * hbs))
+        except ImageIOError as e:
+            if self.fec is None:
+                raise
+            data, unreadable = None, e  # FEC may rebuild it, as the kernel tries
         self.counters.add(hash_reads=1, hash_blocks_read=1)
         want = self._wanted_for_hash_block(level, index)
-        if self.digester.digest(data) == want:
+        if data is not None and self.digester.digest(data) == want:
             self.cache.put(block, level, data)
             return data
+        if self.fec is not None:
+            fixed = self._repair("metadata", block,
+                                 self.fec.geo.index_of_hash_block(block), want)
+            if fixed is not None:  # checked against want: verified, so cached
+                self.cache.put(block, level, fixed)
+                return fixed
+            if unreadable is not None:
+                raise unreadable
         error = HashCorruption(block, level)
         if strict:
             raise error
@@ -306,8 +337,9 @@ class Verifier:
                 continue
             checked += 1
             if d.digest(piece) != want and not self._recheck(block, piece, want):
-                self._corruption(DataCorruption(block))
-                continue
+                if not self._repair_data(block, piece, want):
+                    self._corruption(DataCorruption(block))
+                continue  # repaired: not marked checked, the block on disk is still bad
             if bitmap is not None:
                 bitmap[block >> 3] |= 1 << (block & 7)
         self.counters.verified(checked)
@@ -320,6 +352,55 @@ class Verifier:
             return False
         piece[:] = fresh
         return True
+
+    # -- forward error correction: the error path only --------------------------------
+
+    def _repair_data(self, block: int, piece: memoryview, want: bytes) -> bool:
+        """Rebuild a data block that failed its digest and its re-read into piece."""
+        if self.fec is None:
+            return False
+        fixed = self._repair("data", block, block, want)
+        if fixed is None:
+            return False
+        piece[:] = fixed
+        return True
+
+    def _repair(self, kind: str, block: int, index: int, want: bytes) -> bytes | None:
+        """Message block index rebuilt by FEC and matching want, or None; counted and
+        logged (the log capped as corruption lines are)."""
+        digest = self.digester.digest
+        zero = self._fec_zero if self.zero_digest is not None else None
+        fixed = self.fec.repair(index, lambda b: digest(b) == want, self._fec_suspect, zero)
+        if fixed is None:
+            self.counters.add(fec_failed=1)
+            return None
+        if self.counters.fec_corrected() <= MAX_LOGGED_ERRORS:
+            log(f"{kind} block {block} repaired with FEC")
+        return fixed
+
+    def _data_digest(self, block: int) -> bytes | None:
+        """A data block's trusted digest for FEC's erasure search; None if its leaf
+        cannot be had (the kernel then does not mark the block an erasure)."""
+        if self.geo.levels == 0:
+            return self.root
+        bits = self.geo.hpb_bits
+        try:
+            leaf = self._hash_block(0, block >> bits)
+        except (CorruptionError, ImageIOError):
+            return None
+        offset = (block & ((1 << bits) - 1)) * self.geo.slot_size
+        return leaf[offset:offset + self.digester.digest_size]
+
+    def _fec_suspect(self, index: int, block: bytes) -> bool:
+        """Whether message block index is a data block that fails its own digest."""
+        if index >= self.geo.data_blocks:
+            return False
+        want = self._data_digest(index)
+        return want is not None and self.digester.digest(block) != want
+
+    def _fec_zero(self, index: int) -> bool:
+        """ignore-zero-blocks: a data block whose wanted digest is the zero block's."""
+        return index < self.geo.data_blocks and self._data_digest(index) == self.zero_digest
 
     # -- errors -----------------------------------------------------------------------
 

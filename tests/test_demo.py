@@ -17,5 +17,9 @@ def test_demo_walkthrough_succeeds(tmp_path):
     assert "read back over NBD: the same bytes as data.img" in trust
     assert "require-signatures: the root hash is not signed" in trust
     assert "is not a trusted certificate" in trust
+    # FEC: a destroyed block read back intact, the repair counted, the status still V.
+    fec = done.stdout.split("Format again with --fec-device")[-1]
+    assert "read data block 12345: the original bytes" in fec
+    assert "fec_corrected 1  fec_failed 0" in fec
     with open("/proc/mounts") as mounts:
         assert str(tmp_path) not in mounts.read(), "the demo left a mount behind"

@@ -66,6 +66,21 @@ TREE_OPTIONS = ("algorithm", "salt", "data_block_size", "hash_block_size", "data
                 "hash_offset", "no_superblock", "hash_type")
 
 
+def fec_options(fn):
+    """Where the Reed-Solomon parity is (veritysetup's --fec-device, --fec-roots,
+    --fec-offset): format writes it, verify and serve repair with it, dump describes it."""
+    for decorator in reversed((
+            click.option("--fec-device", default=None, metavar="FEC",
+                         help="Reed-Solomon parity (FEC) image; may be HASH itself with "
+                              "--fec-offset."),
+            click.option("--fec-roots", type=int, default=None, metavar="N",
+                         help="Parity bytes per 255-byte codeword, 2..24 (default 2)."),
+            click.option("--fec-offset", type=int, default=None, metavar="BYTES",
+                         help="Where the parity starts on the FEC device (default 0)."))):
+        fn = decorator(fn)
+    return fn
+
+
 def trust_options(fn):
     """Where the root hash's signature and the trusted certificates are, and whether one
     is required (docs/trust.md); the plugin keys of the same names."""

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import click
 
-from .common import edge, image_arguments
+from .common import edge, fec_options, image_arguments
 
 
 @click.command("serve")
 @image_arguments
+@fec_options
 @click.option("--unix", default=None, metavar="PATH", help="Listen on this Unix socket.")
 @click.option("--port", type=click.IntRange(0, 65535), default=None, help="Listen on TCP port.")
 @click.option("--bind", default=None, metavar="ADDR", help="TCP address (default 127.0.0.1).")

@@ -20,7 +20,15 @@ from ..limits import block_size_problem
 from ..params import VerityParams, load_params, parse_uuid, random_salt, random_uuid, read_params
 from ..roothash import root_digest, root_hash_text
 from ..trust.root import resolve_root
-from .common import EXIT_CORRUPT, TREE_OPTIONS, edge, fail, geometry_options, image_arguments
+from .common import (
+    EXIT_CORRUPT,
+    TREE_OPTIONS,
+    edge,
+    fail,
+    fec_options,
+    geometry_options,
+    image_arguments,
+)
 
 
 def data_size_of(path: str) -> int:
@@ -39,9 +47,14 @@ def tree_options(kw: dict) -> dict:
     return opts
 
 
-def print_header(hash_path: str, params: VerityParams, root: bytes | None = None) -> None:
-    """veritysetup's header block: the same field names, tabs and order."""
+def print_header(hash_path: str, params: VerityParams, root: bytes | None = None,
+                 fec=None) -> None:
+    """veritysetup's header block: the same field names, tabs and order; with fec (a
+    FecGeometry) the lines veritysetup adds for --fec-device."""
     geo = params.geometry()
+    hash_device_size = geo.hash_image_size
+    if fec is not None and fec.on_hash_device:
+        hash_device_size += fec.parity_size  # what veritysetup prints: tree, then parity
     lines = [
         f"VERITY header information for {hash_path}",
         f"UUID:            \t{params.uuid_text if params.superblock else ''}",
@@ -51,12 +64,15 @@ def print_header(hash_path: str, params: VerityParams, root: bytes | None = None
         f"Hash blocks:     \t{geo.hash_blocks}",
         f"Hash block size: \t{params.hash_block_size}",
         f"Hash algorithm:  \t{params.algorithm}",
+        *(fec.dump_lines() if fec is not None else ()),
         f"Salt:            \t{params.salt.hex() or '-'}",
     ]
     if root is not None:
         lines.append(f"Root hash:      \t{root.hex()}")
     if params.hash_offset == 0:  # as veritysetup: dump cannot know the offsets otherwise
-        lines.append(f"Hash device size: \t{geo.hash_image_size} [bytes]")
+        lines.append(f"Hash device size: \t{hash_device_size} [bytes]")
+    if fec is not None and not fec.fec_offset and not fec.on_hash_device:
+        lines.append(f"FEC device size: \t{fec.parity_size} [bytes]")
     click.echo("\n".join(lines))
 
 
@@ -81,10 +97,13 @@ def progress_bar(total: int, label: str):
               help="Sign the root hash with this key (with --sign-cert): writes "
                    "DATA.roothash and DATA.roothash.p7s, as `nbd-verity sign --sidecars`.")
 @click.option("--sign-cert", default=None, metavar="CERT.pem", help="The signing key's cert.")
+@fec_options
 @edge
 def format_cmd(data: str, hash_image: str, uuid: str | None, root_hash_file: str | None,
-               sign_key: str | None, sign_cert: str | None, **kw) -> None:
-    """Build the hash tree of DATA into HASH and print the root hash."""
+               sign_key: str | None, sign_cert: str | None, fec_device: str | None,
+               fec_roots: int | None, fec_offset: int | None, **kw) -> None:
+    """Build the hash tree of DATA into HASH and print the root hash; with --fec-device,
+    also the Reed-Solomon parity that lets a reader repair corrupted blocks."""
     if (sign_key is None) != (sign_cert is None):
         raise ConfigError("sign-key: give --sign-key and --sign-cert together")
     opts = tree_options(kw)
@@ -109,12 +128,17 @@ def format_cmd(data: str, hash_image: str, uuid: str | None, root_hash_file: str
         raise ConfigError(f"data-blocks: {blocks} blocks of {dbs} bytes exceed {data} "
                           f"({size} bytes)")
     _check_overlap(data, hash_image, params)
+    fec = _fec_request(params, hash_image, fec_device, fec_roots, fec_offset)
     if opts["data_blocks"] is None and size % dbs:  # warn only once the options are valid
         click.echo(f"nbd-verity: warning: {data}: the last {size % dbs} bytes are not a whole "
                    f"block and are not protected", err=True)
     with progress_bar(params.data_blocks * dbs, "Hashing") as update:
         root = builder.build_tree(data, hash_image, params, update)
-    print_header(hash_image, params, root)
+    fec_geo = None
+    if fec is not None:
+        from ..fec.image import write_fec  # the codec only when asked for
+        fec_geo = write_fec(data, hash_image, fec_device, params, *fec)
+    print_header(hash_image, params, root, fec_geo)
     if root_hash_file:
         with open(root_hash_file, "w") as f:
             f.write(root.hex())
@@ -128,6 +152,32 @@ def _sign_beside(data: str, root_hex: str, key: str, cert: str) -> None:
     from ..trust.signing import sign_root_hash
     roothash, p7s = write_sidecars(data, root_hex, sign_root_hash(root_hex, key, cert))
     click.echo(f"Signed root hash written to {roothash} and {p7s}")
+
+
+def _fec_request(params: VerityParams, hash_image: str, fec_device: str | None,
+                 roots: int | None, offset: int | None) -> tuple[int, int] | None:
+    """(roots, offset) of --fec-device, checked before anything is written; None without."""
+    if fec_device is None:
+        if roots is not None or offset is not None:
+            raise ConfigError("fec-roots: --fec-roots and --fec-offset need --fec-device")
+        return None
+    from ..fec.image import same_file
+    from ..fec.layout import DEFAULT_ROOTS, FecGeometry
+    roots, offset = _given(roots, DEFAULT_ROOTS), _given(offset, 0)
+    FecGeometry.from_params(params, roots, params.geometry().hash_image_size, offset,
+                            same_file(hash_image, fec_device))
+    return roots, offset
+
+
+def _fec_geometry(params: VerityParams, hash_image: str, fec_device: str | None,
+                  roots: int | None, offset: int | None):
+    """The FecGeometry of an existing image's parity (verify, dump); None without."""
+    if fec_device is None:
+        return None
+    from ..fec.image import fec_geometry
+    from ..fec.layout import DEFAULT_ROOTS
+    return fec_geometry(params, hash_image, fec_device, _given(roots, DEFAULT_ROOTS),
+                        _given(offset, 0))
 
 
 def _given(value, default):
@@ -146,12 +196,15 @@ def _check_overlap(data: str, hash_image: str, params: VerityParams) -> None:
 
 @click.command("verify")
 @image_arguments
+@fec_options
 @edge
 def verify_cmd(data: str, hash_image: str | None, root_hash: str | None,
                root_hash_file: str | None, root_hash_signature: str | None,
-               trusted_certs: str | None, require_signatures: bool, **kw) -> None:
+               trusted_certs: str | None, require_signatures: bool, fec_device: str | None,
+               fec_roots: int | None, fec_offset: int | None, **kw) -> None:
     """Check every block of DATA against HASH and the trusted ROOT_HASH (or the
-    IMAGE.verity, IMAGE.roothash and IMAGE.roothash.p7s beside DATA)."""
+    IMAGE.verity, IMAGE.roothash and IMAGE.roothash.p7s beside DATA); with --fec-device,
+    say which corrupted blocks FEC repairs, as veritysetup verify --fec-device."""
     trusted = resolve_root(data, hash_image,
                            root_hash_text(root_hash, root_hash_file, required=False),
                            root_hash_signature, trusted_certs, require_signatures)
@@ -164,6 +217,11 @@ def verify_cmd(data: str, hash_image: str | None, root_hash: str | None,
     if size < params.data_blocks * params.data_block_size:
         raise VerityError(f"{data}: {size} bytes, the tree covers "
                           f"{params.data_blocks * params.data_block_size}")
+    if fec_device is not None or fec_roots is not None or fec_offset is not None:
+        if fec_device is None:
+            raise ConfigError("fec-roots: --fec-roots and --fec-offset need --fec-device")
+        _verify_with_fec(data, hash_image, fec_device, params, root, fec_roots, fec_offset)
+        return
     with progress_bar(params.data_blocks * params.data_block_size, "Verifying") as update:
         report = builder.verify_image(data, hash_image, params, root, update)
     if report.ok:
@@ -178,11 +236,54 @@ def verify_cmd(data: str, hash_image: str | None, root_hash: str | None,
     fail(f"verification failed: {report.bad_count} corrupted block(s)", EXIT_CORRUPT)
 
 
+def _verify_with_fec(data: str, hash_image: str, fec_device: str, params: VerityParams,
+                     root: bytes, roots: int | None, offset: int | None) -> None:
+    """verify --fec-device: veritysetup's verdict (exit status and lines), and which bad
+    blocks a reader would get repaired (the kernel's decode, with erasures)."""
+    from ..fec.image import verify_with_fec
+    from ..fec.layout import DEFAULT_ROOTS
+    report = verify_with_fec(data, hash_image, fec_device, params, root,
+                             _given(roots, DEFAULT_ROOTS), _given(offset, 0))
+    tree = report.tree
+    if tree.ok:
+        click.echo(f"Verified {params.data_blocks} data blocks: OK")
+        return
+    for error in tree.bad:
+        click.echo(f"nbd-verity: {error}", err=True)
+    if tree.bad_count > len(tree.bad):
+        click.echo(f"nbd-verity: ... {tree.bad_count - len(tree.bad)} more", err=True)
+    for line in report.messages():
+        click.echo(f"nbd-verity: {line}", err=True)
+    if report.repaired:
+        click.echo(f"FEC repairs {len(report.repaired)} block(s): {_blocks(report.repaired)}")
+    if report.unrepaired:
+        click.echo(f"FEC cannot repair {len(report.unrepaired)} block(s): "
+                   f"{_blocks(report.unrepaired)}")
+    if report.untried:
+        click.echo(f"FEC not tried on {report.untried} more corrupted block(s)")
+    if report.veritysetup_ok:
+        click.echo(f"Verified {params.data_blocks} data blocks: {tree.bad_count} corrupted "
+                   f"block(s), repairable with FEC")
+        return
+    fail(f"verification failed: {tree.bad_count} corrupted block(s)", EXIT_CORRUPT)
+
+
+def _blocks(blocks: list[tuple[str, int]]) -> str:
+    """("data", 5), ("hash", 3) as "data 5, metadata 3" (the kernel's names)."""
+    return ", ".join(f"{'data' if kind == 'data' else 'metadata'} {block}"
+                     for kind, block in blocks)
+
+
 @click.command("dump")
 @click.argument("hash_image", metavar="HASH")
 @click.option("--hash-offset", type=int, default=0, metavar="BYTES",
               help="Where the superblock sits in the hash image.")
+@fec_options
 @edge
-def dump_cmd(hash_image: str, hash_offset: int) -> None:
-    """Print the superblock of HASH as veritysetup dump does."""
-    print_header(hash_image, read_params(hash_image, hash_offset))
+def dump_cmd(hash_image: str, hash_offset: int, fec_device: str | None,
+             fec_roots: int | None, fec_offset: int | None) -> None:
+    """Print the superblock of HASH as veritysetup dump does (and, with --fec-device,
+    the FEC geometry)."""
+    params = read_params(hash_image, hash_offset)
+    print_header(hash_image, params, None,
+                 _fec_geometry(params, hash_image, fec_device, fec_roots, fec_offset))

@@ -1,13 +1,13 @@
-"""python -m nbd_verity.demo WORKDIR: the offline steps, the serving ones, then trust."""
+"""python -m nbd_verity.demo WORKDIR: the offline steps, the serving ones, trust, then FEC."""
 
 from __future__ import annotations
 
 import sys
 
-from . import offline, remote, serving, trust
+from . import fec, offline, remote, serving, trust
 from .walkthrough import run_steps
 
-STEPS = (*offline.STEPS, *serving.STEPS, *trust.STEPS, *remote.STEPS)
+STEPS = (*offline.STEPS, *serving.STEPS, *trust.STEPS, *fec.STEPS, *remote.STEPS)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -192,3 +192,80 @@ def test_parity_follows_the_tree_start(tools, tmp_path, extra, kw):
     params = VerityParams(**{**params.__dict__, **kw})
     fec_image.format_with_fec(str(data), str(tmp_path / "h2"), str(tmp_path / "f2"), params, 5)
     assert tools.sha256(tmp_path / "f2") == tools.sha256(tmp_path / "f1")
+
+
+# -- the command line: `nbd-verity format/dump/verify --fec-device` against veritysetup --
+
+
+def header(stdout: str, path: Path) -> str:
+    """A header with its file name taken out (the two tools write to different files)."""
+    return stdout.replace(f"VERITY header information for {path}", "VERITY header")
+
+
+@pytest.mark.parametrize("options", [
+    ["--fec-roots", "3"],
+    [],
+    ["--fec-roots", "5", "--fec-offset", "4096"],
+    ["--hash-offset", "8192", "--fec-roots", "4"],
+    ["--fec-offset", "32768", "on-hash"],
+], ids=["roots-3", "defaults", "fec-offset", "hash-offset", "in-hash-image"])
+def test_format_and_dump_print_what_veritysetup_prints(tools, tmp_path, options):
+    data = tools.write_image(tmp_path / "data", SIZE, seed=21)
+    on_hash = "on-hash" in options
+    options = [o for o in options if o != "on-hash"]
+    runs = {}
+    for who, run in (("theirs", tools.theirs), ("ours", tools.ours)):
+        hash_path = tmp_path / f"{who}.hash"
+        fec_path = hash_path if on_hash else tmp_path / f"{who}.fec"
+        fec = ["--fec-device", fec_path, *options]
+        done = run("format", data, hash_path, *fec, "--salt", tools.salt, "--uuid", tools.uuid)
+        assert done.returncode == 0, done.stderr
+        dump = run("dump", hash_path, *fec)
+        assert dump.returncode == 0, dump.stderr
+        runs[who] = (header(done.stdout, hash_path), header(dump.stdout, hash_path),
+                     tools.sha256(fec_path))
+    assert runs["ours"] == runs["theirs"]
+    assert "FEC RS roots:" in runs["ours"][0]
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    (["--data-block-size", "1024"], "Block sizes must match for FEC."),
+    (["--fec-roots", "1"], "Invalid number of parity bytes."),
+    (["--fec-roots", "25"], "Invalid number of parity bytes."),
+])
+def test_format_refuses_what_veritysetup_refuses(tools, tmp_path, options, message):
+    data = tools.write_image(tmp_path / "data", 1 << 20, seed=22)
+    theirs = tools.theirs("format", data, tmp_path / "h1", "--fec-device", tmp_path / "f1",
+                          *options)
+    ours = tools.ours("format", data, tmp_path / "h2", "--fec-device", tmp_path / "f2",
+                      *options)
+    assert theirs.returncode != 0 and message in theirs.stderr
+    assert ours.returncode == 2 and message in ours.stderr
+    assert not (tmp_path / "h2").exists() and not (tmp_path / "f2").exists()
+
+
+@pytest.mark.parametrize("case", ["data-byte", "two-blocks-one-group",
+                                  "three-blocks-one-group", "top-hash-block", "parity-byte"])
+def test_verify_command_agrees_with_veritysetup(tools, image, case):
+    data, hash_path, fec_path, root = image
+    corruption, repaired, unrepaired = CASES[case]
+    files = {"data": data, "hash": hash_path, "fec": fec_path}
+    for where, offset, seed in corruption:
+        if seed is None:
+            flip(files[where], offset)
+        else:
+            poke(files[where], offset, random_block(seed))
+    args = (data, hash_path, root, "--fec-device", fec_path, "--fec-roots", ROOTS)
+    theirs, ours = tools.theirs("verify", *args), tools.ours("verify", *args)
+    assert (ours.returncode == 0) == (theirs.returncode == 0), (ours.stderr, theirs.stderr)
+    for line in ("repairable errors with FEC device", "Errors cannot be repaired"):
+        assert (line in ours.stderr) == (line in theirs.stderr), (ours.stderr, theirs.stderr)
+    found = [line for line in theirs.stderr.splitlines() if line.startswith("Found ")]
+    assert all(f"nbd-verity: {line}" in ours.stderr for line in found)
+    names = {"data": "data", "hash": "metadata"}
+    if repaired:
+        shown = ", ".join(f"{names[k]} {b}" for k, b in repaired)
+        assert f"FEC repairs {len(repaired)} block(s): {shown}" in ours.stdout
+    if unrepaired:
+        shown = ", ".join(f"{names[k]} {b}" for k, b in unrepaired)
+        assert f"FEC cannot repair {len(unrepaired)} block(s): {shown}" in ours.stdout
