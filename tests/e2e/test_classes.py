@@ -120,7 +120,8 @@ host_signal read-back
 nbd_detach nbd0
 nbd_detach nbd1
 """
-    server = Server(export, extra_args=("--control", str(control)))
+    # The seed table (4096 for every class): a 4 KiB read sits exactly on the threshold.
+    server = Server(export, extra_args=("--control", str(control), "--threshold-preset", "seed"))
     started = time.monotonic()
     with guest_session(script, [], {PORT: server}, tmp_path / "run") as guest:
         guest.wait_for("attached")
@@ -132,7 +133,7 @@ nbd_detach nbd1
         guest.wait_for("read-rt")
         after_rt = stats(control)
         delta = counts(attached, after_rt)
-        # 4 KiB requests at the default 4096 threshold: inline, all of them rt.
+        # 4 KiB requests at the seed table's 4096 threshold: inline, all of them rt.
         assert delta[("rt", "inline")] == (RT_READS, RT_READS * BLOCK), delta
         assert class_total(delta, "be") == (0, 0), delta
         assert delta[("rt", "pool")] == (0, 0), delta
