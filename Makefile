@@ -38,6 +38,7 @@ lint: setup
 bench: setup
 	$(PY) -m pip install -q -e '.[bench]'
 	$(PY) bench/run.py
+	$(PY) bench/side.py 3 5 native   # the read-path targets side by side (docs/benchmarks.md)
 
 e2e: setup
 	$(PY) -m pytest tests/e2e tests/test_systemd.py
