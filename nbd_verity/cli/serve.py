@@ -3,7 +3,8 @@
 The options become the plugin's key=value pairs through config.KEYS (config.plugin_pairs),
 the one table of plugin keys; the listening options become nbdkit's own. DATA and HASH
 are paths, NBD URIs, or http(s):// and s3:// URLs, for which captive upstream nbdkits are
-started first (upstream.attach).
+started first (upstream.attach). For an http(s) DATA without HASH or ROOT_HASH, the
+sidecars beside the URL are looked up over HTTP first (trust.remote_sidecar).
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ def serve_cmd(ignore_corruption, restart_on_corruption, unix, port, bind, thread
             raise click.UsageError("--parallel conflicts with --thread-model")
         options["serialize"], options["thread_model"] = None, "parallel"
     check_listen({"unix": unix, "port": port})
+    _remote_sidecars(options)
     images = {role: options[role] for role in ("data", "hash_image") if options[role]}
     options.update(attach(images, UpstreamOptions(upstream_cache, upstream_cache_size)))
     options["error_mode"] = ("ignore-corruption" if ignore_corruption else
@@ -85,3 +87,29 @@ def serve_cmd(ignore_corruption, restart_on_corruption, unix, port, bind, thread
                 {"unix": unix, "port": port, "bind": bind, "threads": threads,
                  "pid_file": pid_file, "exit_with_parent": exit_with_parent,
                  "verbose": verbose})
+
+
+def _remote_sidecars(options: dict) -> None:
+    """Fill in HASH, ROOT_HASH and the signature from URL.verity, URL.roothash and
+    URL.roothash.p7s when DATA is an http(s) URL and HASH or ROOT_HASH is missing."""
+    from ..errors import ConfigError
+    from ..trust.remote_sidecar import discover, is_http, write_private
+    from ..trust.sidecar import auxiliary_path
+    root_given = options["root_hash"] is not None or options["root_hash_file"] is not None
+    if not is_http(options["data"]) or (options["hash_image"] and root_given):
+        return
+    found = discover(options["data"], options["hash_image"], root_given,
+                     options["root_hash_signature"] is not None)
+    data = options["data"]
+    if not options["hash_image"] and found.hash_image is None:
+        raise ConfigError(f"hash: missing (give the hash image, or put "
+                          f"{auxiliary_path(data, '.verity')} beside the image)")
+    if not root_given and found.root_hash is None:
+        raise ConfigError(f"root-hash: missing (give a root hash or a root-hash-file, or put "
+                          f"{auxiliary_path(data, '.roothash')} beside the image)")
+    if found.hash_image is not None:
+        options["hash_image"] = found.hash_image
+    if found.root_hash is not None:
+        options["root_hash"] = found.root_hash
+    if found.signature is not None:  # checked by the plugin as a local file would be
+        options["root_hash_signature"] = write_private(found.signature)

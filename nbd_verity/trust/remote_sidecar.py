@@ -1,0 +1,118 @@
+"""Sidecars beside an image named by an http(s) URL: URL.verity, URL.roothash and
+URL.roothash.p7s, found by the same rules as for a local file (sidecar.find_sidecars),
+read over HTTP instead of from the file system.
+
+`serve https://host/disk.raw` with no HASH or ROOT_HASH calls discover() before it
+starts its captive upstreams: the hash image stays a URL (upstream.attach serves it like
+the data), the root hash becomes its hex, and a signature is written to a private 0600
+file handed to the plugin as root-hash-signature, so it is checked exactly as a local
+one. Only http and https: S3 objects are not searched for sidecars.
+
+Nothing fetched here is trusted: a root hash is only as good as its signature, which the
+plugin checks against the trusted certificates (and requires with require-signatures).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass
+
+from ..errors import SidecarError
+from .sidecar import find_sidecars
+
+MAX_REMOTE_SIDECAR = 1 << 20  # a root hash or a PKCS#7 signature is far smaller
+TIMEOUT = 10.0  # seconds per request
+ABSENT = (404, 410)
+
+
+def is_http(text: str) -> bool:
+    return urllib.parse.urlsplit(text).scheme in ("http", "https")
+
+
+def _open(url: str, method: str = "GET", headers: dict | None = None):
+    """The response, None when the server says the file is absent; else one clear error."""
+    request = urllib.request.Request(url, method=method, headers=headers or {})
+    try:
+        return urllib.request.urlopen(request, timeout=TIMEOUT)
+    except urllib.error.HTTPError as e:
+        e.close()
+        if e.code in ABSENT:
+            return None
+        raise SidecarError(f"{url}: HTTP {e.code} {e.reason}") from None
+    except urllib.error.URLError as e:
+        raise SidecarError(f"{url}: {e.reason}") from None
+    except (OSError, ValueError) as e:
+        raise SidecarError(f"{url}: {e}") from None
+
+
+def http_read(url: str) -> bytes | None:
+    """A small file's bytes (at most 1 MiB), or None when the server has none."""
+    response = _open(url)
+    if response is None:
+        return None
+    with response:
+        length = response.headers.get("Content-Length")
+        if length is not None and length.isdigit() and int(length) > MAX_REMOTE_SIDECAR:
+            raise SidecarError(f"{url}: larger than {MAX_REMOTE_SIDECAR} bytes")
+        try:
+            blob = response.read(MAX_REMOTE_SIDECAR + 1)
+        except OSError as e:
+            raise SidecarError(f"{url}: {e}") from None
+    if len(blob) > MAX_REMOTE_SIDECAR:
+        raise SidecarError(f"{url}: larger than {MAX_REMOTE_SIDECAR} bytes")
+    return blob
+
+
+def http_exists(url: str) -> bool:
+    """Whether the server has URL: HEAD, or a one-byte ranged GET where HEAD is refused."""
+    try:
+        response = _open(url, "HEAD")
+    except SidecarError:
+        response = _open(url, headers={"Range": "bytes=0-0"})
+    if response is None:
+        return False
+    response.close()
+    return True
+
+
+@dataclass(frozen=True)
+class RemoteSidecars:
+    """What discover() fills in; None where the caller's value stays."""
+
+    hash_image: str | None = None  # URL.verity
+    root_hash: str | None = None  # lowercase hex from URL.roothash
+    signature: bytes | None = None  # URL.roothash.p7s (DER, unchecked): see write_private
+    found: tuple[str, ...] = ()  # the URLs used, for messages
+
+
+def discover(data: str, hash_image: str | None, root_hash_given: bool,
+             signature_given: bool) -> RemoteSidecars:
+    """Look beside the URL DATA for what was not given (see the module docstring)."""
+    found = find_sidecars(data, read=http_read, exists=http_exists, xattr=None,
+                          root_hash_given=root_hash_given)
+    used: list[str] = []
+    new_hash = None
+    if hash_image is None and found.hash_image is not None:
+        new_hash = found.hash_image
+        used.append(new_hash)
+    if found.root_hash is not None:
+        used.append(found.root_hash_source)
+    signature = None
+    if not signature_given and found.signature is not None:
+        signature = found.signature
+        used.append(found.signature_path)
+    return RemoteSidecars(new_hash, found.root_hash, signature, tuple(used))
+
+
+def write_private(blob: bytes, directory: str | None = None) -> str:
+    """BLOB in a fresh 0600 file (mkstemp) under $RUNTIME_DIRECTORY or $TMPDIR."""
+    if directory is None:
+        directory = os.environ.get("RUNTIME_DIRECTORY", "").split(":")[0] or None
+    fd, path = tempfile.mkstemp(prefix="nbd-verity-sig-", suffix=".p7s", dir=directory)
+    with os.fdopen(fd, "wb") as f:
+        f.write(blob)
+    return path
