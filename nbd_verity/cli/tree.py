@@ -229,11 +229,16 @@ def verify_cmd(data: str, hash_image: str | None, root_hash: str | None,
         if trusted.signature is not None or trusted.root_hash_source != "given":
             click.echo(f"Trust: {trusted.describe()}")
         return
+    _print_bad(report)
+    fail(f"verification failed: {report.bad_count} corrupted block(s)", EXIT_CORRUPT)
+
+
+def _print_bad(report) -> None:
+    """The first bad blocks of a verify report, one line each, then how many more."""
     for error in report.bad:
         click.echo(f"nbd-verity: {error}", err=True)
     if report.bad_count > len(report.bad):
         click.echo(f"nbd-verity: ... {report.bad_count - len(report.bad)} more", err=True)
-    fail(f"verification failed: {report.bad_count} corrupted block(s)", EXIT_CORRUPT)
 
 
 def _verify_with_fec(data: str, hash_image: str, fec_device: str, params: VerityParams,
@@ -248,10 +253,7 @@ def _verify_with_fec(data: str, hash_image: str, fec_device: str, params: Verity
     if tree.ok:
         click.echo(f"Verified {params.data_blocks} data blocks: OK")
         return
-    for error in tree.bad:
-        click.echo(f"nbd-verity: {error}", err=True)
-    if tree.bad_count > len(tree.bad):
-        click.echo(f"nbd-verity: ... {tree.bad_count - len(tree.bad)} more", err=True)
+    _print_bad(tree)
     for line in report.messages():
         click.echo(f"nbd-verity: {line}", err=True)
     if report.repaired:
