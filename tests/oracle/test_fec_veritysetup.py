@@ -13,6 +13,7 @@ import random
 from pathlib import Path
 
 import pytest
+from damage import flip_byte, write_at
 
 from nbd_verity.fec import image as fec_image
 from nbd_verity.params import VerityParams, parse_uuid
@@ -69,20 +70,6 @@ def image(tools, tmp_path):
     return data, tmp_path / "hash", tmp_path / "fec", root
 
 
-def poke(path: Path, offset: int, payload: bytes) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        f.write(payload)
-
-
-def flip(path: Path, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)[0]
-        f.seek(offset)
-        f.write(bytes([byte ^ 0xFF]))
-
-
 def random_block(seed: int) -> bytes:
     return random.Random(seed).randbytes(4096)
 
@@ -108,16 +95,24 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_verify_agrees_with_veritysetup(tools, image, case):
-    data, hash_path, fec_path, root = image
+def damage(image, case: str) -> tuple[list, list]:
+    """Apply CASES[case]'s corruption to the image's files; its expected (repaired,
+    unrepaired) blocks."""
+    data, hash_path, fec_path, _root = image
     corruption, repaired, unrepaired = CASES[case]
     files = {"data": data, "hash": hash_path, "fec": fec_path}
     for where, offset, seed in corruption:
         if seed is None:
-            flip(files[where], offset)
+            flip_byte(files[where], offset)
         else:
-            poke(files[where], offset, random_block(seed))
+            write_at(files[where], offset, random_block(seed))
+    return repaired, unrepaired
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_verify_agrees_with_veritysetup(tools, image, case):
+    data, hash_path, fec_path, root = image
+    repaired, unrepaired = damage(image, case)
     theirs = tools.theirs("verify", data, hash_path, root, "--fec-device", fec_path,
                           "--fec-roots", ROOTS)
     params = make_params(tools, SIZE, 4096)
@@ -146,8 +141,8 @@ def test_verify_with_fec_inside_the_hash_image(tools, tmp_path):
     data = tools.write_image(tmp_path / "data", SIZE, seed=3)
     offset = 8 * 4096
     root = theirs_format(tools, data, tmp_path / "hash", tmp_path / "hash", 4096, 8, offset)
-    poke(data, 100 * 4096, random_block(1))
-    poke(data, 104 * 4096, random_block(2))  # same group (rounds 4): 2 errors, roots 8
+    write_at(data, 100 * 4096, random_block(1))
+    write_at(data, 104 * 4096, random_block(2))  # same group (rounds 4): 2 errors, roots 8
     theirs = tools.theirs("verify", data, tmp_path / "hash", root, "--fec-device",
                           tmp_path / "hash", "--fec-roots", 8, "--fec-offset", offset)
     report = fec_image.verify_with_fec(str(data), str(tmp_path / "hash"),
@@ -172,7 +167,7 @@ def test_pure_python_codec_matches_veritysetup(tools, tmp_path, monkeypatch):
     root = theirs_format(tools, data, tmp_path / "h1", tmp_path / "f1", bs, 3, 0)
     fec_image.format_with_fec(str(data), str(tmp_path / "h2"), str(tmp_path / "f2"), params, 3)
     assert tools.sha256(tmp_path / "f2") == tools.sha256(tmp_path / "f1")
-    poke(data, 7 * bs, random.Random(1).randbytes(bs))
+    write_at(data, 7 * bs, random.Random(1).randbytes(bs))
     report = fec_image.verify_with_fec(str(data), str(tmp_path / "h1"), str(tmp_path / "f1"),
                                        params, bytes.fromhex(root), 3)
     assert report.repaired == [("data", 7)] and report.veritysetup_ok
@@ -248,13 +243,7 @@ def test_format_refuses_what_veritysetup_refuses(tools, tmp_path, options, messa
                                   "three-blocks-one-group", "top-hash-block", "parity-byte"])
 def test_verify_command_agrees_with_veritysetup(tools, image, case):
     data, hash_path, fec_path, root = image
-    corruption, repaired, unrepaired = CASES[case]
-    files = {"data": data, "hash": hash_path, "fec": fec_path}
-    for where, offset, seed in corruption:
-        if seed is None:
-            flip(files[where], offset)
-        else:
-            poke(files[where], offset, random_block(seed))
+    repaired, unrepaired = damage(image, case)
     args = (data, hash_path, root, "--fec-device", fec_path, "--fec-roots", ROOTS)
     theirs, ours = tools.theirs("verify", *args), tools.ours("verify", *args)
     assert (ours.returncode == 0) == (theirs.returncode == 0), (ours.stderr, theirs.stderr)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from damage import flip_byte
 from golden import GOLDEN, IDS, SALT
 
 from nbd_verity.digest import supported_algorithms
@@ -192,14 +193,6 @@ def test_root_hash_file_is_read_by_veritysetup(tools, tmp_path):
     assert ours.returncode == 0, ours.stderr
 
 
-def flip_byte(path: Path, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        value = f.read(1)[0]
-        f.seek(offset)
-        f.write(bytes([value ^ 0x5A]))
-
-
 @pytest.mark.parametrize(("where", "offset", "message"), [
     ("data", 3456, "data block 0 is corrupted"),               # verity-compat-test's spot
     ("data", 200 * 4096 + 17, "data block 200 is corrupted"),
@@ -211,7 +204,7 @@ def test_corruption_of_a_veritysetup_tree(tools, tmp_path, where, offset, messag
     hash_image = tmp_path / "hash.img"
     run = tools.theirs("format", data, hash_image, f"--salt={SALT}")
     root = tools.root_hash(run.stdout)
-    flip_byte(data if where == "data" else hash_image, offset)
+    flip_byte(data if where == "data" else hash_image, offset, 0x5A)
     assert tools.theirs("verify", data, hash_image, root).returncode != 0
     ours = tools.ours("verify", data, hash_image, root)
     assert ours.returncode == 1

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import nbd
 import pytest
+from damage import flip_byte, write_at  # noqa: F401  (re-exported to the tests)
 
 from nbd_verity.control import checked_request
 from nbd_verity.launch import Launched, run_to_end
@@ -150,21 +151,6 @@ class Image:
             f.seek(hash_offset)
             digest = self.block_digest(f.read(self.hash_block_size))
         return self._holder(digest, f"the hash block at {hash_offset}")
-
-
-def flip_byte(path: Path, offset: int) -> None:
-    """Invert one byte of a file in place (the server sees it: same inode)."""
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        old = f.read(1)
-        f.seek(offset)
-        f.write(bytes([old[0] ^ 0xFF]))
-
-
-def write_at(path: Path, offset: int, payload: bytes) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        f.write(payload)
 
 
 def _field(text: str, name: str) -> str:

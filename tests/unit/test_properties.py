@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from click.testing import CliRunner
+from damage import flip_byte
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -143,14 +144,6 @@ def corruptions(draw) -> tuple[Layout, str, int, int, int, int]:
     return layout, "data", -1, index, byte, draw(st.integers(1, 255))
 
 
-def flip(path: Path, offset: int, xor: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        old = f.read(1)[0]
-        f.seek(offset)
-        f.write(bytes([old ^ xor]))
-
-
 @FAST
 @given(case=corruptions())
 def test_any_corrupted_byte_is_found_and_named(case):
@@ -164,11 +157,11 @@ def test_any_corrupted_byte_is_found_and_named(case):
         argv = ["verify", str(data), str(hash_image), root, *layout.cli_options()]
         assert runner.invoke(main, argv).exit_code == 0
         if target == "data":
-            flip(data, index * layout.data_block_size + byte, xor)
+            flip_byte(data, index * layout.data_block_size + byte, xor)
             expected = f"nbd-verity: data block {index} is corrupted"
         else:
             block = geo.level_start[level] + index
-            flip(hash_image, block * layout.hash_block_size + byte, xor)
+            flip_byte(hash_image, block * layout.hash_block_size + byte, xor)
             expected = f"nbd-verity: metadata block {block} is corrupted (level {level})"
         result = runner.invoke(main, argv)
     assert result.exit_code == 1, result.output
