@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import reedsolo  # the oracle codec (test extra): a missing oracle fails, never skips
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -17,7 +18,6 @@ from nbd_verity.fec import layout as fec
 from nbd_verity.fec import rs
 from nbd_verity.params import VerityParams
 
-reedsolo = pytest.importorskip("reedsolo")
 CODECS = [pytest.param((rs.py_encode, rs.py_decode), id="python")]
 if rs.NATIVE:
     from nbd_verity.fec import _rs
