@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from .harness import NBD_VERITY, Export, ensure_packages
+from .harness import BOOTS, NBD_VERITY, Export, ensure_packages, guest_system
 from .images import random_file, verity_format
 
 # 64 MiB: 16384 data blocks, 128 level-0 hash blocks under one level-1 block, so a scan of
@@ -30,6 +30,7 @@ class Images:
 def e2e_host() -> None:
     """The host can run guests: packages installed and this checkout's serve command present."""
     ensure_packages()
+    guest_system()  # the kernel (downloaded once per machine) and the initramfs
     if not NBD_VERITY.exists():
         raise RuntimeError(f"e2e: {NBD_VERITY} is missing; run `make setup`")
     subprocess.run([str(NBD_VERITY), "serve", "--help"], check=True, capture_output=True)
@@ -42,3 +43,11 @@ def images(e2e_host, tmp_path_factory) -> Images:
     export = verity_format(data, folder / "hash.img")
     sha = hashlib.sha256(data.read_bytes()).hexdigest()
     return Images(export=export, sha256=sha, data_blocks=DATA_SIZE // 4096)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """One line per guest boot, so that a slow guest shows in every run."""
+    if BOOTS:
+        terminalreporter.section("e2e guest boots (QEMU)")
+        for line in BOOTS:
+            terminalreporter.write_line(line)

@@ -1,25 +1,31 @@
-"""Real-kernel harness: NBD servers in a private network namespace, a user-mode-linux guest.
+"""Real-kernel harness: NBD servers on Unix sockets, a QEMU guest running Debian's kernel.
 
-The host's kernel has neither the `nbd` driver nor device-mapper; the UML guest kernel has
-both (tests/e2e/README.md). One run looks like this:
+The host's kernel has neither the `nbd` driver nor device-mapper; Debian's own kernel in
+a QEMU guest has both, and dm-verity's FEC (tests/e2e/README.md). One run looks like this:
 
-    private netns (unshare -n, only lo)
-    ├── NBD server(s) on 127.0.0.1:PORT (nbd-verity serve, or nbdkit file as a baseline)
-    └── linux.uml, under `timeout`
-        ├── eth0=slirp: the guest's 10.0.2.2:PORT is the namespace's 127.0.0.1:PORT
-        ├── ubd1r=, ubd2r=, ...: host image files as read-only /dev/ubdb, /dev/ubdc, ...
-        ├── root = the host's / over hostfs, read-only (host nbd-client, veritysetup, fio)
-        └── guest/init.sh as PID 1: mounts the run's work folder read-write, runs
-            guest/lib.sh's e2e_setup and the run's scenario.sh, writes exit-status, powers off
+    host
+    ├── NBD server(s) on Unix sockets WORK/server-PORT.sock (nbd-verity serve, or nbdkit
+    │   file as a baseline)
+    └── qemu-system-x86_64 -accel tcg, under `timeout`
+        ├── kernel: Debian's linux-image-6.1.0-N-amd64, unpacked into a cache (guestkernel.py)
+        ├── initramfs: busybox and the modules; mounts the host's / over 9p, read-only
+        ├── user networking with restrict=on: the guest's 10.0.2.100:PORT runs
+        │   `socat STDIO UNIX-CONNECT:WORK/server-PORT.sock` for each connection
+        ├── virtio disks: host image files, read-only, as /dev/vda, /dev/vdb, ...
+        ├── WORK over 9p, read-write, at the same path in the guest
+        └── guest/init.sh as PID 1 (after the initramfs): mounts, guest/lib.sh's
+            e2e_setup and the run's scenario.sh, writes exit-status, powers off
 
-Nothing listens outside the namespace and nothing leaves the machine. Every process is
-started here and stopped by its own pid, never by name. A guest that does not finish
-raises GuestFailed with its console log; nothing here skips.
+Nothing listens on the network and nothing leaves the machine (restrict=on; the only way
+out of the guest is the guestfwd rules). Every process is started here and stopped by its
+own pid, never by name. A guest that does not finish raises GuestFailed with its console
+log; nothing here skips.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -31,19 +37,29 @@ from pathlib import Path
 
 from nbd_verity.launch import Launched
 
-GUEST_DIR = Path(__file__).resolve().parent / "guest"
+from .guestkernel import GUEST_DIR, GuestKernel, ensure_initramfs, ensure_kernel
+
 # The venv's own entry point: the one built from this checkout.
 NBD_VERITY = Path(sys.executable).parent / "nbd-verity"
 
-# What a run needs on the host (the guest uses the same binaries through hostfs).
-DEB_PACKAGES = ("user-mode-linux", "slirp", "socat", "busybox-static", "nbdkit",
-                "nbd-client", "cryptsetup-bin", "fio", "e2fsprogs", "iproute2", "util-linux",
+# What a run needs on the host (the guest runs the same binaries through 9p).
+DEB_PACKAGES = ("qemu-system-x86", "socat", "busybox-static", "nbdkit", "nbd-client",
+                "cryptsetup-bin", "dmsetup", "fio", "e2fsprogs", "iproute2", "util-linux",
                 "coreutils", "python3")
 
-# Budgets, in seconds. A guest boots in about 3 s; the longest run (fio) takes about 30 s.
-SERVER_START_S = 30
-GUEST_TIMEOUT_S = 150
-GUEST_MEM = "512M"
+# The guest reaches server PORT at this address (a guestfwd rule of QEMU's user network).
+GUEST_HOST_ADDR = "10.0.2.100"
+# Budgets, in seconds. A guest reaches its init about 8 s after QEMU starts under TCG.
+SERVER_START_S = 60
+GUEST_TIMEOUT_S = 300
+GUEST_MEM = "1G"
+GUEST_CPUS = 2
+# QEMU's accelerator: software emulation works on every x86 host (KVM does not work on
+# this project's machines); NBD_VERITY_E2E_ACCEL=kvm where /dev/kvm really works.
+ACCEL_ENV = "NBD_VERITY_E2E_ACCEL"
+
+# One line per guest boot, printed at the end of the pytest run (conftest.py).
+BOOTS: list[str] = []
 
 
 class GuestFailed(AssertionError):
@@ -70,6 +86,26 @@ def _installed(package: str) -> bool:
 
 
 @dataclass(frozen=True)
+class Guest:
+    """What every boot uses: the kernel and the initramfs built for it."""
+
+    kernel: GuestKernel
+    initramfs: Path
+
+
+_GUEST: Guest | None = None
+
+
+def guest_system() -> Guest:
+    """The kernel (downloaded once per machine) and initramfs (built once per change)."""
+    global _GUEST
+    if _GUEST is None:
+        kernel = ensure_kernel()
+        _GUEST = Guest(kernel=kernel, initramfs=ensure_initramfs(kernel))
+    return _GUEST
+
+
+@dataclass(frozen=True)
 class Export:
     """A verity export: a data image, its hash image and the trusted root hash (hex)."""
 
@@ -80,7 +116,7 @@ class Export:
 
 @dataclass(frozen=True)
 class Server:
-    """How to start one NBD server in the foreground on 127.0.0.1:PORT.
+    """How to start one NBD server in the foreground on a Unix socket.
 
     kind "nbd-verity" is the server under test; "nbdkit-file" serves the data image
     unverified through nbdkit's C file plugin, as a baseline. extra_args go to the command
@@ -91,65 +127,32 @@ class Server:
     kind: str = "nbd-verity"
     extra_args: tuple[str, ...] = ()
 
-    def argv(self, port: int, pid_file: Path) -> list[str]:
+    def argv(self, socket: Path, pid_file: Path) -> list[str]:
         """The server's command line; it writes pid_file once it accepts connections."""
         if self.kind == "nbd-verity":
             return [str(NBD_VERITY), "serve", str(self.export.data), str(self.export.hash),
-                    self.export.root_hash, "--port", str(port), "--bind", "127.0.0.1",
+                    self.export.root_hash, "--unix", str(socket),
                     "--pid-file", str(pid_file), "--exit-with-parent", *self.extra_args]
         if self.kind == "nbdkit-file":
-            return ["nbdkit", "--exit-with-parent", "-f", "-r", "-p", str(port),
-                    "-i", "127.0.0.1", "--pidfile", str(pid_file), *self.extra_args,
+            return ["nbdkit", "--exit-with-parent", "-f", "-r", "-U", str(socket),
+                    "--pidfile", str(pid_file), *self.extra_args,
                     "file", str(self.export.data)]
         raise ValueError(f"server kind: {self.kind!r} is not nbd-verity or nbdkit-file")
 
 
-class Netns:
-    """A private network namespace with only `lo` up, held open by one sleeping process.
-
-    Processes join it with nsenter (which execs, so their pid is the Popen's pid).
-    """
-
-    def __init__(self) -> None:
-        self._holder: subprocess.Popen | None = None
-
-    def __enter__(self) -> Netns:
-        # The holder prints "ready" only after lo is up: a barrier, not a sleep.
-        self._holder = subprocess.Popen(
-            ["unshare", "--net", "--", "sh", "-c",
-             "ip link set lo up && echo ready && exec sleep infinity"],
-            stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
-        line = self._holder.stdout.readline().strip()
-        if line != "ready":
-            self._stop()
-            raise RuntimeError("e2e: could not create a private network namespace (unshare -n)")
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop()
-
-    def _stop(self) -> None:
-        if self._holder is not None:
-            self._holder.kill()
-            self._holder.wait()
-            self._holder.stdout.close()
-            self._holder = None
-
-    def wrap(self, argv: Sequence[str]) -> list[str]:
-        """argv run inside this namespace."""
-        return ["nsenter", f"--net=/proc/{self._holder.pid}/ns/net", "--", *argv]
+def server_socket(work: Path, port: int) -> Path:
+    return work / f"server-{port}.sock"
 
 
 @contextmanager
-def nbd_server(netns: Netns, server: Server, port: int, work: Path) -> Iterator[Path]:
-    """Run server in netns on 127.0.0.1:port until the block ends; yields its log file.
-
-    Ready means its pid file is written (nbdkit does so once it listens): the host cannot
-    connect into the namespace to check the socket itself."""
+def nbd_server(server: Server, port: int, work: Path) -> Iterator[Path]:
+    """Run server on WORK/server-PORT.sock until the block ends; yields its log file."""
     pid_file = work / f"server-{port}.pid"
     log = work / f"server-{port}.log"
+    socket = server_socket(work, port)
     pid_file.unlink(missing_ok=True)
-    launched = Launched(netns.wrap(server.argv(port, pid_file)), pid_file=pid_file,
+    socket.unlink(missing_ok=True)
+    launched = Launched(server.argv(socket, pid_file), pid_file=pid_file, socket=socket,
                         log_path=log, name="e2e server")
     with launched.start(timeout=SERVER_START_S):
         yield log
@@ -176,13 +179,16 @@ class LiveGuest:
 
     The scenario calls `host_signal NAME` / `host_wait NAME` (lib.sh); the host calls
     wait_for(NAME) / signal(NAME). Both sides meet at files in WORK/sync, which the guest
-    sees through hostfs as soon as the host writes them.
+    sees through 9p (no cache) as soon as the host writes them.
     """
 
-    def __init__(self, netns: Netns, script: str, disks: Sequence[Path], work: Path,
-                 timeout_s: int = GUEST_TIMEOUT_S) -> None:
+    def __init__(self, script: str, disks: Sequence[Path], work: Path,
+                 ports: Sequence[int] = (), timeout_s: int = GUEST_TIMEOUT_S,
+                 name: str = "") -> None:
         self.work = work
         self.sync = work / "sync"
+        # The test that booted it ("tests/e2e/test_x.py::test_y (call)"), for BOOTS.
+        self.name = name or os.environ.get("PYTEST_CURRENT_TEST", work.name).split(" ")[0]
         work.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(self.sync, ignore_errors=True)
         self.sync.mkdir()
@@ -190,18 +196,17 @@ class LiveGuest:
         (work / "exit-status").unlink(missing_ok=True)
         self._console_path = work / "console.log"
         argv = ["timeout", "--kill-after=10", str(timeout_s),
-                *netns.wrap(_uml_argv(disks, work))]
+                *qemu_argv(guest_system(), disks, work, ports)]
         self._started = time.monotonic()
+        self._recorded = False
         with open(self._console_path, "wb") as console_f:
-            # TMPDIR: UML backs the guest's memory with a file there; /dev/shm is RAM.
             self._proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=console_f,
-                                          stderr=subprocess.STDOUT, cwd=work,
-                                          env=dict(os.environ, TMPDIR="/dev/shm"))
+                                          stderr=subprocess.STDOUT, cwd=work)
 
     def console(self) -> str:
         return self._console_path.read_text(errors="replace")
 
-    def wait_for(self, name: str, timeout_s: float = 60) -> str:
+    def wait_for(self, name: str, timeout_s: float = 120) -> str:
         """Wait until the guest ran `host_signal name`; returns what it wrote there."""
         path = self.sync / name
         deadline = time.monotonic() + timeout_s
@@ -238,15 +243,25 @@ class LiveGuest:
         returncode = self._proc.wait()
         seconds = time.monotonic() - self._started
         run = GuestRun(work=self.work, console=self.console(), seconds=seconds)
+        self._record(run.console, seconds)
         status_path = self.work / "exit-status"
         if not status_path.exists():
-            raise GuestFailed(f"guest did not finish (linux.uml exit {returncode} after "
+            raise GuestFailed(f"guest did not finish (qemu exit {returncode} after "
                               f"{seconds:.1f} s); console log:\n{run.console}")
         status = status_path.read_text().strip()
         if status != "0":
             raise GuestFailed(f"guest scenario failed with status {status}; console log:\n"
                               f"{run.console}")
         return run
+
+    def _record(self, console: str, seconds: float) -> None:
+        """One line for this boot in BOOTS: when init came up, and the whole run."""
+        if self._recorded:
+            return
+        self._recorded = True
+        match = re.search(r"e2e-guest: init up after ([\d.]+) s", console)
+        up = f"init at {float(match.group(1)):.1f} s (guest clock)" if match else "no init"
+        BOOTS.append(f"{self.name}: {up}, {seconds:.1f} s from start to power-off")
 
     def stop(self) -> None:
         """Stop a guest that is still running (after a failure on the host side)."""
@@ -257,48 +272,76 @@ class LiveGuest:
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 self._proc.wait()
+        self._record(self.console(), time.monotonic() - self._started)
 
 
-def boot_guest(netns: Netns, script: str, disks: Sequence[Path], work: Path,
+def boot_guest(script: str, disks: Sequence[Path], work: Path,
                timeout_s: int = GUEST_TIMEOUT_S) -> GuestRun:
-    """Boot the guest in netns, run script (shell, lib.sh's helpers) and wait for power-off.
+    """Boot the guest, run script (shell, lib.sh's helpers) and wait for power-off.
 
-    disks become read-only /dev/ubdb, /dev/ubdc, ... in order. Raises GuestFailed with the
+    disks become read-only /dev/vda, /dev/vdb, ... in order. Raises GuestFailed with the
     console log unless the scenario ran to the end with status 0.
     """
-    return LiveGuest(netns, script, disks, work, timeout_s).finish()
+    guest = LiveGuest(script, disks, work, timeout_s=timeout_s)
+    try:
+        return guest.finish()
+    finally:
+        guest.stop()
 
 
-def _uml_argv(disks: Sequence[Path], work: Path) -> list[str]:
+def _check_path(path: Path) -> None:
+    # QEMU's option syntax splits on commas; a path with one cannot be passed.
+    if "," in str(path):
+        raise ValueError(f"e2e: {path}: QEMU's command line cannot carry ',' in a path")
+
+
+def qemu_argv(guest: Guest, disks: Sequence[Path], work: Path,
+              ports: Sequence[int]) -> list[str]:
+    """The QEMU command line of one run: kernel, initramfs, shares, disks, network."""
     for path in (GUEST_DIR, work, *disks):
-        if any(c in str(path) for c in " ,:="):
-            raise ValueError(f"e2e: {path}: UML's command line cannot carry ' ,:=' in a path")
-    argv = [shutil.which("linux.uml") or "/usr/bin/linux.uml", f"mem={GUEST_MEM}",
-            "rootfstype=hostfs", "rootflags=/", "ro", "quiet",
-            f"init={GUEST_DIR / 'init.sh'}", f"E2E_WORK={work}",
-            f"eth0=slirp,,{GUEST_DIR / 'slirp.sh'}",
-            # The console is UML's stdout; no other terminals.
-            "con0=null,fd:1", "con=null", "ssl=null",
-            # UML's pid file and mconsole socket: in the run's folder, not in ~/.uml.
-            f"uml_dir={work / 'uml'}"]
-    # ubd0 stays unused so that the disks are ubdb, ubdc, ...; 'r' opens them read-only.
-    argv += [f"ubd{i}r={path}" for i, path in enumerate(disks, start=1)]
+        _check_path(path)
+    accel = os.environ.get(ACCEL_ENV) or "tcg"
+    if accel == "tcg":
+        accel = "tcg,thread=multi"
+    cmdline = " ".join([
+        "console=ttyS0", "quiet", "panic=-1", "oops=panic",
+        f"E2E_INIT={GUEST_DIR / 'init.sh'}", f"E2E_WORK={work}"])
+    # One rule per port: each guest connection to 10.0.2.100:PORT runs its own socat to
+    # the server's Unix socket. restrict=on: no other traffic in or out.
+    forwards = "".join(
+        f",guestfwd=tcp:{GUEST_HOST_ADDR}:{port}-cmd:socat STDIO "
+        f"UNIX-CONNECT:{server_socket(work, port)}" for port in ports)
+    argv = [shutil.which("qemu-system-x86_64") or "/usr/bin/qemu-system-x86_64",
+            "-accel", accel, "-cpu", "max", "-smp", str(GUEST_CPUS), "-m", GUEST_MEM,
+            "-nodefaults", "-no-user-config", "-display", "none", "-serial", "stdio",
+            "-no-reboot",
+            "-kernel", str(guest.kernel.vmlinuz), "-initrd", str(guest.initramfs),
+            "-append", cmdline,
+            "-virtfs", "local,path=/,mount_tag=hostroot,security_model=none,readonly=on,"
+                       "multidevs=remap",
+            "-virtfs", f"local,path={work},mount_tag=work,security_model=none,"
+                       "multidevs=remap",
+            "-netdev", f"user,id=net0,restrict=on,ipv6=off{forwards}",
+            "-device", "virtio-net-pci,netdev=net0"]
+    for i, disk in enumerate(disks):
+        argv += ["-drive", f"file={disk},format=raw,if=none,id=disk{i},readonly=on",
+                 "-device", f"virtio-blk-pci,drive=disk{i}"]
     return argv
 
 
 @contextmanager
 def guest_session(script: str, disks: Sequence[Path], servers: Mapping[int, Server],
-                  work: Path) -> Iterator[LiveGuest]:
-    """Servers on their ports in a fresh netns and a guest booted in the background.
+                  work: Path, timeout_s: int = GUEST_TIMEOUT_S) -> Iterator[LiveGuest]:
+    """Servers on their sockets and a guest booted in the background.
 
     The block talks to the guest (wait_for/signal) and ends with guest.finish(); on the way
-    out the guest (if still running), the servers and the namespace are stopped.
+    out the guest (if still running) and the servers are stopped.
     """
     work.mkdir(parents=True, exist_ok=True)
-    with Netns() as netns, ExitStack() as stack:
+    with ExitStack() as stack:
         for port, server in servers.items():
-            stack.enter_context(nbd_server(netns, server, port, work))
-        guest = LiveGuest(netns, script, disks, work)
+            stack.enter_context(nbd_server(server, port, work))
+        guest = LiveGuest(script, disks, work, ports=list(servers), timeout_s=timeout_s)
         try:
             yield guest
         finally:
@@ -307,11 +350,11 @@ def guest_session(script: str, disks: Sequence[Path], servers: Mapping[int, Serv
 
 @contextmanager
 def guest_run(script: str, disks: Sequence[Path], servers: Mapping[int, Server],
-              work: Path) -> Iterator[GuestRun]:
-    """Servers on their ports in a fresh netns, then one guest run; all stopped on exit.
+              work: Path, timeout_s: int = GUEST_TIMEOUT_S) -> Iterator[GuestRun]:
+    """Servers on their sockets, then one guest run; all stopped on exit.
 
     The block sees the finished run while the servers still run (their logs are in work
     as server-PORT.log).
     """
-    with guest_session(script, disks, servers, work) as guest:
+    with guest_session(script, disks, servers, work, timeout_s) as guest:
         yield guest.finish()

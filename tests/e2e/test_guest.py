@@ -39,12 +39,12 @@ def failing_blocks(run: GuestRun, name: str) -> list[int]:
 
 
 def scan_script(root_hash: str) -> str:
-    """Scan every block of /dev/nbd0, then of dm-verity on the guest's ubdb/ubdc."""
+    """Scan every block of /dev/nbd0, then of dm-verity on the guest's vda/vdb."""
     return f"""
 nbd_attach nbd0 {PORT}
 block_scan nbd0 nbd.failing
 nbd_detach nbd0
-dm=$(verity_open vdata ubdb ubdc {root_hash})
+dm=$(verity_open vdata vda vdb {root_hash})
 block_scan "$dm" dm.failing
 verity_close vdata
 """
@@ -56,7 +56,7 @@ def test_nbd_and_kernel_verity_give_the_image(images: Images, tmp_path: Path):
 nbd_attach nbd0 {PORT}
 dev_size nbd0 nbd.size
 dev_sha256 nbd0 nbd.sha256
-dm=$(verity_open vdata ubdb ubdc {export.root_hash})
+dm=$(verity_open vdata vda vdb {export.root_hash})
 dev_size "$dm" dm.size
 dev_sha256 "$dm" dm.sha256
 cmp /dev/nbd0 "/dev/$dm"
@@ -153,7 +153,7 @@ def test_fio_figures(images: Images, tmp_path: Path):
     script = f"""
 nbd_attach nbd0 {PORT}
 nbd_attach nbd1 {PORT + 1}
-dm=$(verity_open vdata ubdb ubdc {export.root_hash})
+dm=$(verity_open vdata vda vdb {export.root_hash})
 {jobs}
 verity_close vdata
 nbd_detach nbd0
@@ -163,7 +163,7 @@ nbd_detach nbd1
     with guest_run(script, [export.data, export.hash], servers, tmp_path / "run") as run:
         rows = {title: {job: read_fio(run.work / f"{prefix}-{job}.json") for job in FIO_JOBS}
                 for prefix, (_, title) in targets.items()}
-        guest_kernel = re.search(r"init up, kernel (\S+)", run.console).group(1)
+        guest_kernel = re.search(r"init up after \S+ s, kernel (\S+)", run.console).group(1)
     note = (f"fio in a UML {guest_kernel} guest: psync, direct, 2 jobs, 3 s each, "
             "64 MiB random image, "
             "`nbd-client -b 4096` over slirp. The link into the guest bounds the NBD rows: "
@@ -185,7 +185,7 @@ def test_status_turns_c_like_dmsetup(images: Images, tmp_path: Path):
     control = tmp_path / "ctl.sock"
     script = f"""
 nbd_attach nbd0 {PORT}
-verity_open vdata ubdb ubdc {export.root_hash} >/dev/null
+verity_open vdata vda vdb {export.root_hash} >/dev/null
 host_signal attached "$(dmsetup status vdata)"
 host_wait checked
 echo "$(read_block nbd0 {middle}) $(read_block "$(dm_name vdata)" {middle})" >"$E2E_WORK/reads"

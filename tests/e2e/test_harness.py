@@ -6,13 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from .harness import GuestFailed, Netns, boot_guest
+from .harness import GuestFailed, boot_guest
 from .images import level0_hash_block
 
 
 def test_failing_scenario_raises_with_console_log(e2e_host, tmp_path: Path):
-    with Netns() as netns, pytest.raises(GuestFailed) as failed:
-        boot_guest(netns, "echo scenario-marker-42\nfalse\necho never-here\n", [], tmp_path)
+    with pytest.raises(GuestFailed) as failed:
+        boot_guest("echo scenario-marker-42\nfalse\necho never-here\n", [], tmp_path)
     message = str(failed.value)
     assert "failed with status 1" in message
     assert "scenario-marker-42" in message

@@ -2,32 +2,22 @@
 # the run's scenario.sh, all under `set -eu`: the first failing step fails the run.
 #
 # Results go to "$E2E_WORK/<name>"; the host test reads and asserts them. Every helper that
-# takes a device takes its bare name (nbd0, dm-0, ubdb), never a path.
+# takes a device takes its bare name (nbd0, dm-0, vda), never a path.
 
-# slirp maps the guest's 10.0.2.2 to 127.0.0.1 of the host's private network namespace.
-E2E_HOST=10.0.2.2
-E2E_MODULES=/usr/lib/uml/modules/$(uname -r)/kernel
+# QEMU's user network: each connection to 10.0.2.100:PORT is relayed to the host's
+# server-PORT.sock (harness.qemu_argv); 10.0.2.2 is QEMU's own gateway.
+E2E_HOST=10.0.2.100
 
+# The initramfs loaded every module (guestkernel.MODULES); only the network is left.
 e2e_setup() {
-    e2e_load_modules
     e2e_network_up
-}
-
-# The UML kernel builds nbd and device-mapper as modules; there is no modprobe set-up in
-# this root, so busybox insmod loads each in dependency order (dm-verity needs dm-bufio,
-# which needs dm-mod).
-e2e_load_modules() {
-    busybox insmod "$E2E_MODULES/drivers/block/nbd.ko" nbds_max=4
-    busybox insmod "$E2E_MODULES/drivers/md/dm-mod.ko"
-    busybox insmod "$E2E_MODULES/drivers/md/dm-bufio.ko"
-    busybox insmod "$E2E_MODULES/drivers/md/dm-verity.ko"
 }
 
 e2e_network_up() {
     ip link set lo up
     ip addr add 10.0.2.15/24 dev eth0
     ip link set eth0 up
-    ip route add default via "$E2E_HOST"
+    ip route add default via 10.0.2.2
 }
 
 # nbd_attach DEV PORT [EXPORT]: attach /dev/DEV read-only with 4 KiB blocks, so that one
@@ -92,10 +82,11 @@ dev_size() {
     blockdev --getsize64 "/dev/$1" >"$E2E_WORK/$2"
 }
 
-# block_scan DEV OUT: read every 4 KiB block with direct I/O, one request each; OUT lists
-# the failing blocks as "INDEX ERRNO" lines.
+# block_scan DEV OUT [CHUNK]: read every 4 KiB block with direct I/O (in CHUNK-byte reads
+# first, 1 MiB by default; each block of a failed chunk on its own); OUT lists the failing
+# blocks as "INDEX ERRNO" lines. CHUNK 4096: every block on its own, in order.
 block_scan() {
-    python3 "$E2E_GUEST_DIR/blockscan.py" "/dev/$1" "$E2E_WORK/$2"
+    python3 "$E2E_GUEST_DIR/blockscan.py" "/dev/$1" "$E2E_WORK/$2" --chunk "${3:-1048576}"
 }
 
 # read_block DEV INDEX: one direct 4 KiB read of block INDEX; prints "ok" or "failed".
