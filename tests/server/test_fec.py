@@ -7,7 +7,7 @@ same damage is shown to `veritysetup verify --fec-device` where its verdict diff
 a reader's: veritysetup decodes errors-only, the kernel (and this server) also with
 erasures. Unreadable blocks come from a real NBD source: nbdkit's ddrescue filter, which
 fails with EIO every read that touches a block its mapfile lists as not rescued (the error
-filter only fails reads at random).
+filter fails reads at a rate, not chosen blocks: it serves the case where all of them fail).
 """
 
 from __future__ import annotations
@@ -264,20 +264,29 @@ def ddrescue_map(path: Path, size: int, bad: list[int], bs: int = 4096) -> Path:
 
 @pytest.fixture
 def failing(sockdir, tmp_path):
-    """start(path, bad) serves the file at path with nbdkit's file plugin behind its
-    ddrescue filter: every read touching a block of `bad` fails with EIO. Returns the
-    upstream's URI; every upstream is stopped by its pid at teardown."""
+    """Upstreams that fail reads: nbdkit's file plugin serving a file behind a filter,
+    each returned as its URI and stopped by its pid at teardown (after the servers, their
+    clients, when a test names this fixture before `servers`)."""
     started: list[NbdkitFile] = []
 
-    def start(path: Path, bad: list[int]) -> str:
-        name = f"up{len(started)}"
-        mapfile = ddrescue_map(tmp_path / f"{name}.map", path.stat().st_size, bad)
-        upstream = NbdkitFile(path, sockdir, name, ("ddrescue",),
-                              (f"ddrescue-mapfile={mapfile}",))
-        started.append(upstream)
-        return upstream.start().uri
+    class Upstreams:
+        def blocks(self, path: Path, bad: list[int]) -> str:
+            """The ddrescue filter: every read touching a block of `bad` fails (EIO)."""
+            mapfile = ddrescue_map(tmp_path / f"up{len(started)}.map", path.stat().st_size,
+                                   bad)
+            return self._start(path, ("ddrescue",), (f"ddrescue-mapfile={mapfile}",))
 
-    yield start
+        def all_while(self, path: Path, trigger: Path) -> str:
+            """The error filter: every read fails (EIO) while the file trigger exists."""
+            return self._start(path, ("error",),
+                               ("error-pread-rate=100%", f"error-pread-file={trigger}"))
+
+        def _start(self, path: Path, filters: tuple[str, ...], keys: tuple[str, ...]) -> str:
+            upstream = NbdkitFile(path, sockdir, f"up{len(started)}", filters, keys)
+            started.append(upstream)
+            return upstream.start().uri
+
+    yield Upstreams()
     for upstream in started:
         upstream.stop()
 
@@ -292,7 +301,7 @@ def test_unreadable_data_blocks_are_rebuilt(damaged, failing, servers, sockdir):
     is rebuilt from its group and verified, block by block, while the blocks around it are
     read from the source; without FEC the same reads fail with EIO."""
     bad = [BAD, BAD + 1, BAD + 2]
-    image = replace(damaged.image, data=failing(damaged.image.data, bad))
+    image = replace(damaged.image, data=failing.blocks(damaged.image.data, bad))
     control = control_path(sockdir, "fec")
     server = servers.start(image, control=control, **damaged.keys())
     h = server.connect()
@@ -331,7 +340,7 @@ def test_unreadable_blocks_of_one_group_within_and_past_the_roots(damaged, faili
     rounds = damaged.rounds
     group = [BAD + k * rounds for k in range(3)]
     control = control_path(sockdir, "within")
-    h = servers.start(replace(damaged.image, data=failing(damaged.image.data, group[:2])),
+    h = servers.start(replace(damaged.image, data=failing.blocks(damaged.image.data, group[:2])),
                       control=control, **damaged.keys()).connect()
     for block in group[:2]:
         assert read_block(h, damaged.image, block) == want(block * 4096, 4096)
@@ -339,7 +348,7 @@ def test_unreadable_blocks_of_one_group_within_and_past_the_roots(damaged, faili
     assert counts["fec_corrected"] == counts["io_errors_repaired"] == 2
 
     control = control_path(sockdir, "past")
-    h = servers.start(replace(damaged.image, data=failing(damaged.image.data, group)),
+    h = servers.start(replace(damaged.image, data=failing.blocks(damaged.image.data, group)),
                       control=control, **damaged.keys()).connect()
     for block in group:
         expect_eio(h, 4096, block * 4096)
@@ -360,7 +369,7 @@ def test_an_unreadable_block_is_an_erasure_of_its_group(damaged, failing, server
     unreadable, corrupted = BAD, BAD + damaged.rounds
     spoil(damaged.image, corrupted, 3)
     control = control_path(sockdir, "c")
-    h = servers.start(replace(damaged.image, data=failing(damaged.image.data, [unreadable])),
+    h = servers.start(replace(damaged.image, data=failing.blocks(damaged.image.data, [unreadable])),
                       control=control, **damaged.keys()).connect()
     for block in (unreadable, corrupted):
         assert read_block(h, damaged.image, block) == want(block * 4096, 4096)
@@ -374,7 +383,7 @@ def test_an_unreadable_hash_block_is_rebuilt(damaged, failing, servers, sockdir)
     """The hash source fails reads of the level-0 block over BAD: with FEC it is rebuilt
     and the device reads back; without FEC the blocks under it fail with EIO."""
     leaf = damaged.image.leaf_offset(BAD) // 4096
-    image = replace(damaged.image, hash=failing(damaged.image.hash, [leaf]))
+    image = replace(damaged.image, hash=failing.blocks(damaged.image.hash, [leaf]))
     control = control_path(sockdir, "fec")
     h = servers.start(image, control=control, **damaged.keys()).connect()
     assert h.pread(len(CONTENT), 0) == want()
@@ -385,3 +394,24 @@ def test_an_unreadable_hash_block_is_rebuilt(damaged, failing, servers, sockdir)
     h = servers.start(image).connect()
     expect_eio(h, 4096, BAD * 4096)
     assert read_block(h, damaged.image, 0) == want(0, 4096)
+
+
+def test_a_source_failing_every_read_fails_cleanly(damaged, failing, servers, sockdir,
+                                                   tmp_path):
+    """nbdkit's error filter failing every data read while its trigger file exists: the
+    groups cannot be read either, so each request fails with EIO (an I/O error, not a
+    corruption) and the server serves again once the source does."""
+    trigger = tmp_path / "inject"
+    control = control_path(sockdir, "c")
+    h = servers.start(replace(damaged.image, data=failing.all_while(damaged.image.data,
+                                                                    trigger)),
+                      control=control, **damaged.keys()).connect()
+    trigger.touch()
+    expect_eio(h, 4096, BAD * 4096)
+    expect_eio(h, 2 * 4096, (BAD + 1) * 4096)
+    stats = totals(control)
+    counts = stats["totals"]
+    assert counts["io_errors"] == 2 and counts["fec_failed"] == 2
+    assert counts["fec_corrected"] == 0 and stats["status"] == "V"
+    trigger.unlink()
+    assert h.pread(3 * 4096, BAD * 4096) == want(BAD * 4096, 3 * 4096)
