@@ -10,7 +10,11 @@ before it counts as corrupt. With an FEC device, a block that still fails (and a
 that fails its parent's slot or cannot be read) is then rebuilt from its codeword group
 and used only if it matches its trusted digest (fec/served.py, the kernel's
 verity_fec_decode); only what FEC cannot rebuild counts as corrupt. What happens next
-depends on the error mode (docs/server.md, "Error modes").
+depends on the error mode (docs/server.md, "Error modes"). A data read the source fails is,
+with an FEC device, read again block by block and each block that still cannot be read is
+rebuilt the same way (the kernel's verity_end_io goes on to verification when FEC is
+enabled); one that cannot be rebuilt fails the request with its read error (EIO), not as a
+corruption.
 Merkle readahead (fs-verity) fetches many level-0 blocks in one read and verifies them.
 """
 
@@ -49,7 +53,8 @@ class Counters:
     """Totals kept for the control socket, counted per thread without a lock (tally.py)."""
 
     FIELDS = ("data_blocks_verified", "hash_reads", "hash_blocks_read", "corruptions",
-              "readaheads", "io_errors", "fec_corrected", "fec_failed")
+              "readaheads", "io_errors", "fec_corrected", "fec_failed",
+              "io_errors_repaired")
     _INDEX: ClassVar[dict[str, int]] = {name: i for i, name in enumerate(FIELDS)}
 
     def __init__(self) -> None:
@@ -165,7 +170,7 @@ class Verifier:
             return data
         if self.fec is not None:
             fixed = self._repair("metadata", block,
-                                 self.fec.geo.index_of_hash_block(block), want)
+                                 self.fec.geo.index_of_hash_block(block), want, unreadable)
             if fixed is not None:  # checked against want: verified, so cached
                 self.cache.put(block, level, fixed)
                 return fixed
@@ -242,18 +247,15 @@ class Verifier:
         if not offset % dbs and not len(buf) % dbs:  # aligned: the common case, no split
             if self._reads_native and self._read_verify(buf, offset):
                 return
-            self.data.read_into(buf, offset)
-            self._verify_blocks(buf, offset // dbs, len(buf) // dbs, release_gil)
+            self._read_blocks(buf, offset // dbs, len(buf) // dbs, release_gil)
             return
         for seg in split_request(offset, len(buf), dbs):
             if seg.whole:
                 target = buf[seg.buf_offset:seg.buf_offset + seg.length]
-                self.data.read_into(target, seg.first_block * dbs)
-                self._verify_blocks(target, seg.first_block, seg.blocks, release_gil)
+                self._read_blocks(target, seg.first_block, seg.blocks, release_gil)
             else:
                 scratch = memoryview(bytearray(dbs))
-                self.data.read_into(scratch, seg.first_block * dbs)
-                self._verify_blocks(scratch, seg.first_block, 1, release_gil)
+                self._read_blocks(scratch, seg.first_block, 1, release_gil)
                 buf[seg.buf_offset:seg.buf_offset + seg.length] = (
                     scratch[seg.skip:seg.skip + seg.length])
 
@@ -273,11 +275,41 @@ class Verifier:
         if bad == -1:
             self.counters.verified(count)
             return True
-        if bad == READ_FAILED:  # read again in Python: it raises the exact ImageIOError
-            self.data.read_into(buf, offset)
-            bad = self._hasher.verify(buf, dbs, want)
+        if bad == READ_FAILED:  # read again in Python: the exact ImageIOError, or FEC
+            self._read_blocks(buf, first, count)
+            return True
         self._after_run(buf, first, count, bad)
         return True
+
+    def _read_blocks(self, mv: memoryview, first: int, count: int,
+                     release_gil: bool = False) -> None:
+        """Read `count` data blocks from `first` into mv and verify them; with FEC, a read
+        the source fails goes on block by block (_read_or_rebuild)."""
+        try:
+            self.data.read_into(mv, first * self.geo.data_block_size)
+        except ImageIOError as error:
+            if self.fec is None:
+                raise
+            self._read_or_rebuild(mv, first, count, error, release_gil)
+            return
+        self._verify_blocks(mv, first, count, release_gil)
+
+    def _read_or_rebuild(self, mv: memoryview, first: int, count: int, error: ImageIOError,
+                         release_gil: bool) -> None:
+        """The source failed a read of these blocks: read them one at a time, verify those
+        that read and rebuild those that do not, so that one bad block fails no other."""
+        if count == 1:
+            self._rebuild_unreadable(first, mv, error)
+            return
+        dbs = self.geo.data_block_size
+        for i in range(count):
+            block, piece = first + i, mv[i * dbs:(i + 1) * dbs]
+            try:
+                self.data.read_into(piece, block * dbs)
+            except ImageIOError as block_error:
+                self._rebuild_unreadable(block, piece, block_error)
+                continue
+            self._verify_blocks(piece, block, 1, release_gil)
 
     def _after_run(self, mv: memoryview, first: int, count: int, bad: int) -> None:
         """Count a checked run; from its first differing block on, take the general path."""
@@ -345,9 +377,15 @@ class Verifier:
         self.counters.verified(checked)
 
     def _recheck(self, block: int, piece: memoryview, want: bytes) -> bool:
-        """Re-read a mismatching block privately; if it now matches, use that copy."""
+        """Re-read a mismatching block privately; if it now matches, use that copy. With
+        FEC, a re-read that fails leaves the block to FEC."""
         dbs = self.geo.data_block_size
-        fresh = self.data.read(dbs, block * dbs)
+        try:
+            fresh = self.data.read(dbs, block * dbs)
+        except ImageIOError:
+            if self.fec is None:
+                raise
+            return False
         if self.digester.digest(fresh) != want:
             return False
         piece[:] = fresh
@@ -365,31 +403,54 @@ class Verifier:
         piece[:] = fixed
         return True
 
-    def _repair(self, kind: str, block: int, index: int, want: bytes) -> bytes | None:
+    def _rebuild_unreadable(self, block: int, piece: memoryview, error: ImageIOError) -> None:
+        """Rebuild into piece a data block the source cannot read, or raise its read error:
+        as in the kernel, what FEC cannot rebuild then is an I/O error, not a corruption.
+        The block is never marked checked (check-at-most-once): it was not read."""
+        want = self._data_want(block)
+        if self.zero_digest is not None and want == self.zero_digest:
+            piece[:] = self._zero_block  # ignore-zero-blocks: zeros, whatever the disk
+            return
+        fixed = self._repair("data", block, block, want, error)
+        if fixed is None:
+            raise error
+        piece[:] = fixed
+        self.counters.verified(1)  # it matched its digest, as a repaired corrupt block
+
+    def _repair(self, kind: str, block: int, index: int, want: bytes,
+                unreadable: ImageIOError | None = None) -> bytes | None:
         """Message block index rebuilt by FEC and matching want, or None; counted and
-        logged (the log capped as corruption lines are)."""
+        logged (the log capped as corruption lines are). unreadable: the error of a block
+        that could not be read (counted in io_errors_repaired too)."""
         digest = self.digester.digest
         zero = self._fec_zero if self.zero_digest is not None else None
         fixed = self.fec.repair(index, lambda b: digest(b) == want, self._fec_suspect, zero)
         if fixed is None:
             self.counters.add(fec_failed=1)
             return None
+        if unreadable is not None:
+            self.counters.add(io_errors_repaired=1)
         if self.counters.fec_corrected() <= MAX_LOGGED_ERRORS:
-            log(f"{kind} block {block} repaired with FEC")
+            why = f" after a read error ({unreadable})" if unreadable is not None else ""
+            log(f"{kind} block {block} repaired with FEC{why}")
         return fixed
+
+    def _data_want(self, block: int) -> bytes:
+        """A data block's trusted digest: the root, or its slot in its verified leaf."""
+        if self.geo.levels == 0:
+            return self.root
+        bits = self.geo.hpb_bits
+        leaf = self._hash_block(0, block >> bits)
+        offset = (block & ((1 << bits) - 1)) * self.geo.slot_size
+        return leaf[offset:offset + self.digester.digest_size]
 
     def _data_digest(self, block: int) -> bytes | None:
         """A data block's trusted digest for FEC's erasure search; None if its leaf
         cannot be had (the kernel then does not mark the block an erasure)."""
-        if self.geo.levels == 0:
-            return self.root
-        bits = self.geo.hpb_bits
         try:
-            leaf = self._hash_block(0, block >> bits)
+            return self._data_want(block)
         except (CorruptionError, ImageIOError):
             return None
-        offset = (block & ((1 << bits) - 1)) * self.geo.slot_size
-        return leaf[offset:offset + self.digester.digest_size]
 
     def _fec_suspect(self, index: int, block: bytes) -> bool:
         """Whether message block index is a data block that fails its own digest."""

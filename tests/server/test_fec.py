@@ -5,7 +5,9 @@ Codeword groups are found from veritysetup's own header ("FEC blocks" is rounds 
 and blocks b and b + rounds share every codeword), not from nbd_verity's geometry. The
 same damage is shown to `veritysetup verify --fec-device` where its verdict differs from
 a reader's: veritysetup decodes errors-only, the kernel (and this server) also with
-erasures.
+erasures. Unreadable blocks come from a real NBD source: nbdkit's ddrescue filter, which
+fails with EIO every read that touches a block its mapfile lists as not rescued (the error
+filter fails reads at a rate, not chosen blocks: it serves the case where all of them fail).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import random
 import re
 import shutil
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -33,6 +35,7 @@ from serverlib import (
     run_refusal,
     write_at,
 )
+from upstreams import NbdkitFile
 
 BAD = 300  # a data block of the 4 MiB image; 1024 data blocks + 9 hash blocks
 CONTENT = random_bytes(7, 4 * MIB)  # what every served image must read back
@@ -239,3 +242,176 @@ def test_refusals_at_start_up(damaged, tmp_path, servers):
                                    str(tmp_path / "x.pid"))
         done = run_refusal(argv)
         assert done.returncode != 0 and message in done.stderr, done.stderr
+
+
+# -- unreadable blocks: an NBD source that fails reads of chosen blocks -------------------
+
+
+def ddrescue_map(path: Path, size: int, bad: list[int], bs: int = 4096) -> Path:
+    """A GNU ddrescue mapfile of size bytes in which the blocks `bad` were not rescued."""
+    lines = ["# Mapfile. Created by GNU ddrescue", "0x00000000     +               1"]
+    pos = 0
+    for block in sorted(set(bad)):
+        if block * bs > pos:
+            lines.append(f"0x{pos:08X}  0x{block * bs - pos:08X}  +")
+        lines.append(f"0x{block * bs:08X}  0x{bs:08X}  -")
+        pos = (block + 1) * bs
+    if pos < size:
+        lines.append(f"0x{pos:08X}  0x{size - pos:08X}  +")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.fixture
+def failing(sockdir, tmp_path):
+    """Upstreams that fail reads: nbdkit's file plugin serving a file behind a filter,
+    each returned as its URI and stopped by its pid at teardown (after the servers, their
+    clients, when a test names this fixture before `servers`)."""
+    started: list[NbdkitFile] = []
+
+    class Upstreams:
+        def blocks(self, path: Path, bad: list[int]) -> str:
+            """The ddrescue filter: every read touching a block of `bad` fails (EIO)."""
+            mapfile = ddrescue_map(tmp_path / f"up{len(started)}.map", path.stat().st_size,
+                                   bad)
+            return self._start(path, ("ddrescue",), (f"ddrescue-mapfile={mapfile}",))
+
+        def all_while(self, path: Path, trigger: Path) -> str:
+            """The error filter: every read fails (EIO) while the file trigger exists."""
+            return self._start(path, ("error",),
+                               ("error-pread-rate=100%", f"error-pread-file={trigger}"))
+
+        def _start(self, path: Path, filters: tuple[str, ...], keys: tuple[str, ...]) -> str:
+            upstream = NbdkitFile(path, sockdir, f"up{len(started)}", filters, keys)
+            started.append(upstream)
+            return upstream.start().uri
+
+    yield Upstreams()
+    for upstream in started:
+        upstream.stop()
+
+
+def control_path(sockdir: str, name: str) -> str:
+    return os.path.join(sockdir, f"{name}.sock")
+
+
+@pytest.mark.parametrize("engine", ENGINES, indirect=True)
+def test_unreadable_data_blocks_are_rebuilt(damaged, failing, servers, sockdir):
+    """The data source fails reads of three blocks (each in its own group): with FEC each
+    is rebuilt from its group and verified, block by block, while the blocks around it are
+    read from the source; without FEC the same reads fail with EIO."""
+    bad = [BAD, BAD + 1, BAD + 2]
+    image = replace(damaged.image, data=failing.blocks(damaged.image.data, bad))
+    control = control_path(sockdir, "fec")
+    server = servers.start(image, control=control, **damaged.keys())
+    h = server.connect()
+    assert h.pread(len(CONTENT), 0) == want()
+    stats = totals(control, reset=True)
+    counts = stats["totals"]
+    assert counts["fec_corrected"] == 3 and counts["io_errors_repaired"] == 3
+    assert counts["fec_failed"] == 0 and counts["io_errors"] == 0
+    assert counts["source_errors"] >= 4  # the whole read, then each bad block alone
+    assert stats["status"] == "V" and stats["corruptions"] == 0
+    assert h.pread(3, BAD * 4096 + 6) == want(BAD * 4096 + 6, 3)  # unaligned, in one
+    span = (BAD - 1) * 4096 + 50, 5 * 4096  # unaligned, over all three and their neighbours
+    assert h.pread(span[1], span[0]) == want(*span)
+    counts = totals(control)["totals"]
+    assert counts["fec_corrected"] == 4 and counts["io_errors_repaired"] == 4
+    assert f"data block {BAD} repaired with FEC after a read error" in server.log()
+
+    plain = control_path(sockdir, "plain")
+    h = servers.start(image, control=plain).connect()
+    for block in bad:
+        expect_eio(h, 4096, block * 4096)
+    expect_eio(h, span[1], span[0])
+    for block in (BAD - 1, BAD + 3):
+        assert read_block(h, image, block) == want(block * 4096, 4096)
+    counts = totals(plain)["totals"]
+    assert counts["io_errors"] == 4 and counts["corruptions"] == 0
+    assert counts["fec_corrected"] == counts["io_errors_repaired"] == 0
+
+
+def test_unreadable_blocks_of_one_group_within_and_past_the_roots(damaged, failing,
+                                                                  servers, sockdir):
+    """roots 2: two unreadable blocks of one group are rebuilt with each other as
+    erasures; with a third the group is past its roots: EIO for exactly the reads that
+    touch one of the three, counted as I/O errors and not as corruption (the kernel
+    returns the read's error when FEC fails), while every other block still reads."""
+    rounds = damaged.rounds
+    group = [BAD + k * rounds for k in range(3)]
+    control = control_path(sockdir, "within")
+    h = servers.start(replace(damaged.image, data=failing.blocks(damaged.image.data, group[:2])),
+                      control=control, **damaged.keys()).connect()
+    for block in group[:2]:
+        assert read_block(h, damaged.image, block) == want(block * 4096, 4096)
+    counts = totals(control)["totals"]
+    assert counts["fec_corrected"] == counts["io_errors_repaired"] == 2
+
+    control = control_path(sockdir, "past")
+    h = servers.start(replace(damaged.image, data=failing.blocks(damaged.image.data, group)),
+                      control=control, **damaged.keys()).connect()
+    for block in group:
+        expect_eio(h, 4096, block * 4096)
+    expect_eio(h, 3 * 4096, (group[1] - 1) * 4096)
+    for block in (BAD - 1, BAD + 1, group[1] + 1, group[2] + rounds):
+        assert read_block(h, damaged.image, block) == want(block * 4096, 4096)
+    stats = totals(control)
+    counts = stats["totals"]
+    assert counts["fec_failed"] == 4 and counts["io_errors"] == 4
+    assert counts["fec_corrected"] == 0 and counts["corruptions"] == 0
+    assert stats["status"] == "V"
+
+
+def test_an_unreadable_block_is_an_erasure_of_its_group(damaged, failing, servers, sockdir):
+    """roots 2: one block of a group cannot be read, another is corrupted. Errors-only
+    decoding cannot fix two bad symbols per codeword, but as erasures (the unreadable one,
+    and the one that fails its digest) both rebuild."""
+    unreadable, corrupted = BAD, BAD + damaged.rounds
+    spoil(damaged.image, corrupted, 3)
+    control = control_path(sockdir, "c")
+    h = servers.start(replace(damaged.image, data=failing.blocks(damaged.image.data, [unreadable])),
+                      control=control, **damaged.keys()).connect()
+    for block in (unreadable, corrupted):
+        assert read_block(h, damaged.image, block) == want(block * 4096, 4096)
+    stats = totals(control)
+    counts = stats["totals"]
+    assert counts["fec_corrected"] == 2 and counts["io_errors_repaired"] == 1
+    assert counts["fec_failed"] == 0 and stats["status"] == "V"
+
+
+def test_an_unreadable_hash_block_is_rebuilt(damaged, failing, servers, sockdir):
+    """The hash source fails reads of the level-0 block over BAD: with FEC it is rebuilt
+    and the device reads back; without FEC the blocks under it fail with EIO."""
+    leaf = damaged.image.leaf_offset(BAD) // 4096
+    image = replace(damaged.image, hash=failing.blocks(damaged.image.hash, [leaf]))
+    control = control_path(sockdir, "fec")
+    h = servers.start(image, control=control, **damaged.keys()).connect()
+    assert h.pread(len(CONTENT), 0) == want()
+    counts = totals(control)["totals"]
+    # pool workers that need the leaf at once may each rebuild it (as the kernel's race)
+    assert counts["io_errors_repaired"] >= 1 and counts["fec_failed"] == 0
+    assert counts["io_errors_repaired"] == counts["fec_corrected"]
+    h = servers.start(image).connect()
+    expect_eio(h, 4096, BAD * 4096)
+    assert read_block(h, damaged.image, 0) == want(0, 4096)
+
+
+def test_a_source_failing_every_read_fails_cleanly(damaged, failing, servers, sockdir,
+                                                   tmp_path):
+    """nbdkit's error filter failing every data read while its trigger file exists: the
+    groups cannot be read either, so each request fails with EIO (an I/O error, not a
+    corruption) and the server serves again once the source does."""
+    trigger = tmp_path / "inject"
+    control = control_path(sockdir, "c")
+    h = servers.start(replace(damaged.image, data=failing.all_while(damaged.image.data,
+                                                                    trigger)),
+                      control=control, **damaged.keys()).connect()
+    trigger.touch()
+    expect_eio(h, 4096, BAD * 4096)
+    expect_eio(h, 2 * 4096, (BAD + 1) * 4096)
+    stats = totals(control)
+    counts = stats["totals"]
+    assert counts["io_errors"] == 2 and counts["fec_failed"] == 2
+    assert counts["fec_corrected"] == 0 and stats["status"] == "V"
+    trigger.unlink()
+    assert h.pread(3 * 4096, BAD * 4096) == want(BAD * 4096, 3 * 4096)

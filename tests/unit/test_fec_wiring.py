@@ -9,7 +9,7 @@ import pytest
 
 from nbd_verity.config import config_from_pairs, plugin_pairs
 from nbd_verity.device import Connection, Device
-from nbd_verity.errors import ConfigError, DataCorruption
+from nbd_verity.errors import ConfigError, DataCorruption, ImageIOError
 from nbd_verity.fec import image as fec_image
 from nbd_verity.params import VerityParams
 
@@ -102,6 +102,29 @@ def test_fec_is_not_reentered(image):
         assert read(dev, 5) == content[5 * BS:6 * BS]
     finally:
         dev.close()
+
+
+def test_blocks_past_a_truncated_end_are_rebuilt(image):
+    """A local data image cut inside block 766: the native read of an aligned run fails,
+    the run is read again block by block, and 766 and 767 (each in its own group) are
+    rebuilt from their groups; without FEC the read fails as before."""
+    tmp_path, root, content = image
+    dev = device(tmp_path, root, readahead="false")
+    plain = Device(config_from_pairs([("data", str(tmp_path / "data")),
+                                      ("hash", str(tmp_path / "hash")), ("root-hash", root)]))
+    try:
+        assert dev.verifier._reads_native  # the native path is the one under test
+        os.truncate(tmp_path / "data", 766 * BS + 100)
+        assert read(dev, 760, 8) == content[760 * BS:768 * BS]
+        counts = dev.verifier.counters.snapshot()
+        assert counts["fec_corrected"] == counts["io_errors_repaired"] == 2
+        assert counts["io_errors"] == 0 and dev.verifier.counters.status == "V"
+        with pytest.raises(ImageIOError, match="truncated"):
+            read(plain, 760, 8)
+        assert plain.verifier.counters.snapshot()["io_errors"] == 1
+    finally:
+        dev.close()
+        plain.close()
 
 
 def test_fec_settings_without_a_device_are_refused(image):
