@@ -100,7 +100,7 @@ class WindowReader:
     """
 
     def __init__(self, image: ImageFile, geo: TreeGeometry) -> None:
-        size = image.end()
+        size = image.size()
         if size < geo.data_size:
             raise ImageIOError(f"{image.path}: image ends at byte {size}, "
                                f"{geo.data_size} needed")
@@ -246,6 +246,10 @@ def _build(data: ImageFile, hashes: HashImageWriter, params: VerityParams,
            progress: Progress | None) -> bytes:
     """Data → level 0, then each level from the one below it up to the top; the root."""
     geo, digester = params.geometry(), params.digester()
+    if geo.levels:  # a block device must hold the whole tree: checked before writing
+        hashes.check_room(geo.hash_image_size)
+    elif params.superblock:
+        hashes.check_room(_superblock_end(params))
     if params.superblock:
         hashes.pwrite_all(params.to_superblock().pack(), params.hash_offset)
     if geo.levels == 0:
@@ -335,7 +339,7 @@ def verify_image(data_path: str, hash_path: str, params: VerityParams, root: byt
     """Check every hash block top-down from the root, then every data block."""
     geo, report = params.geometry(), VerifyReport(limit=limit)
     with ImageFile(data_path, "data") as data, ImageFile(hash_path, "hash") as hashes:
-        hash_size = hashes.end()
+        hash_size = hashes.size()
         if geo.levels and geo.hash_image_size > hash_size:  # no level reads no hash block
             raise ImageIOError(f"{hash_path}: hash image is {hash_size} bytes,"
                                f" its geometry needs {geo.hash_image_size}")

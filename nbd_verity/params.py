@@ -15,6 +15,7 @@ from .digest import Digester, normalize_algorithm
 from .errors import ConfigError, FormatError, ImageIOError, SuperblockError
 from .geometry import TreeGeometry, hash_start_block
 from .limits import HASH_OFFSET_ALIGN, MAX_OFFSET, MAX_SALT_SIZE, block_size_problem
+from .source import ImageFile
 from .superblock import SUPERBLOCK_SIZE, Superblock
 
 DEFAULT_SALT_SIZE = 32
@@ -106,12 +107,10 @@ def read_superblock(hash_path: str, hash_offset: int = 0, source=None) -> Superb
     check_hash_offset(hash_offset)
     try:
         if source is not None:
-            end = min(source.size(), hash_offset + SUPERBLOCK_SIZE)
-            buf = bytes(source.read(max(0, end - hash_offset), hash_offset))
+            buf = _superblock_bytes(source, hash_offset)
         else:
-            with open(hash_path, "rb") as f:
-                f.seek(hash_offset)
-                buf = f.read(SUPERBLOCK_SIZE)
+            with ImageFile(hash_path, "hash") as image:
+                buf = _superblock_bytes(image, hash_offset)
     except OSError as e:
         where = f": cannot read a superblock at offset {hash_offset}" if hash_offset else ""
         raise ImageIOError(f"{hash_path}{where}: {e.strerror}") from None
@@ -123,6 +122,12 @@ def read_superblock(hash_path: str, hash_offset: int = 0, source=None) -> Superb
         return Superblock.unpack(buf).validate()
     except SuperblockError as e:
         raise SuperblockError(f"{hash_path}: {e}") from None
+
+
+def _superblock_bytes(source, hash_offset: int) -> bytes:
+    """The superblock's bytes at hash_offset, fewer where the image ends before them."""
+    end = min(source.size(), hash_offset + SUPERBLOCK_SIZE)
+    return bytes(source.read(max(0, end - hash_offset), hash_offset))
 
 
 def params_from_superblock(sb: Superblock, hash_offset: int = 0) -> VerityParams:

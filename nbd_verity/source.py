@@ -10,6 +10,12 @@ data (ImageFile.window) and exact reads of hash blocks (ImageFile.read_exact), t
 messages naming the image by its path alone; format writes the hash image through
 HashImageWriter, the only class here that opens an image for writing. The data image is
 never opened for writing.
+
+An image is a regular file or a block device (a partition, a logical volume, a loop
+device), and this module is the one home of two rules about it: what may be opened as an
+image (check_kind refuses a directory, FIFO, character device or socket in one line, and
+without opening a FIFO, which would block) and how big it is (size_of_fd: st_size for a
+file, the size the kernel reports for a block device, whose st_size is 0).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import stat
 
 from .errors import ImageIOError
 
@@ -26,14 +33,12 @@ class ImageFile:
 
     def __init__(self, path: str, role: str) -> None:
         self.path = path
-        self.role = role  # "data" or "hash", for messages
-        try:
-            self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError as e:
-            raise ImageIOError(f"{role}: {path}: {e.strerror}") from None
+        self.role = role  # "data", "hash" or "fec", for messages
+        self.fd = open_image(path, role, os.O_RDONLY)
 
     def size(self) -> int:
-        return os.fstat(self.fd).st_size
+        """The image's size in bytes (a block device's as the kernel reports it)."""
+        return size_of_fd(self.fd)
 
     def read_into(self, buf: memoryview, offset: int) -> None:
         """Fill buf with the bytes at offset, or raise ImageIOError."""
@@ -70,9 +75,12 @@ class ImageFile:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def end(self) -> int:
-        """The image's size found by seeking to its end (st_size is 0 for a block device)."""
-        return os.lseek(self.fd, 0, os.SEEK_END)
+    def check_room(self, size: int) -> None:
+        """Refuse a block device smaller than size bytes as an output: it cannot grow (a
+        regular file grows as it is written)."""
+        if stat.S_ISBLK(os.fstat(self.fd).st_mode) and self.size() < size:
+            raise ImageIOError(f"{self.role}: {self.path} is {self.size()} bytes, "
+                               f"{size} needed")
 
     def read_exact(self, size: int, offset: int) -> bytes:
         """Exactly size bytes at offset, or ImageIOError naming the image and the byte."""
@@ -112,18 +120,86 @@ class ImageFile:
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux only
 
 
-class HashImageWriter(ImageFile):
-    """The hash image as format writes it: opened read-write, created (mode 0644) if
-    missing; discard() removes it again only if this writer created it."""
+def image_kind_problem(mode: int) -> str | None:
+    """Why a file of this st_mode cannot hold an image, or None (a regular file or a
+    block device)."""
+    if stat.S_ISREG(mode) or stat.S_ISBLK(mode):
+        return None
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a regular file"
 
-    def __init__(self, path: str) -> None:
+
+def check_kind(path: str, role: str, mode: int) -> None:
+    """Refuse, in one line naming the role and the path, a file that is not an image."""
+    problem = image_kind_problem(mode)
+    if problem is not None:
+        raise ImageIOError(f"{role}: {path}: {problem}, not a regular file or a block device")
+
+
+def open_image(path: str, role: str, flags: int, mode: int = 0o644) -> int:
+    """Open an image (flags: O_RDONLY, or O_RDWR with O_CREAT for an output) and return
+    its fd, or raise ImageIOError in one line.
+
+    The kind is checked by stat before opening (opening a FIFO for reading blocks until a
+    writer comes; opening a device has effects of its own) and again by fstat after
+    (the path may have changed in between, hence also O_NONBLOCK, cleared once checked).
+    """
+    try:
+        check_kind(path, role, os.stat(path).st_mode)
+    except FileNotFoundError:
+        if not flags & os.O_CREAT:
+            raise ImageIOError(f"{role}: {path}: No such file or directory") from None
+    except OSError as e:
+        raise ImageIOError(f"{role}: {path}: {e.strerror}") from None
+    try:
+        fd = os.open(path, flags | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY, mode)
+    except OSError as e:
+        raise ImageIOError(f"{role}: {path}: {e.strerror}") from None
+    try:
+        check_kind(path, role, os.fstat(fd).st_mode)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def size_of_fd(fd: int) -> int:
+    """The one rule for an image's size: st_size for a regular file; for a block device
+    (st_size 0) the kernel's size of it, which a seek to its end returns (as
+    BLKGETSIZE64 does; every read here is a pread, so the file position is unused)."""
+    st = os.fstat(fd)
+    return os.lseek(fd, 0, os.SEEK_END) if stat.S_ISBLK(st.st_mode) else st.st_size
+
+
+def image_size(path: str, role: str) -> int:
+    """The size of the image at path, opened read-only as an image."""
+    with ImageFile(path, role) as image:
+        return image.size()
+
+
+def check_output_room(path: str, role: str, size: int) -> None:
+    """Refuse, before anything is written, an existing output that cannot grow (a block
+    device) and is smaller than size bytes; a missing path or a regular file passes."""
+    if not os.path.lexists(path):
+        return
+    with ImageFile(path, role) as image:
+        image.check_room(size)
+
+
+class ImageWriter(ImageFile):
+    """An output image (the hash image format writes, the FEC parity): opened read-write,
+    created (mode 0644) if missing; discard() removes it again only if this writer
+    created it. A block device is written in place; it cannot grow."""
+
+    def __init__(self, path: str, role: str) -> None:
         self.path = path
-        self.role = "hash"
-        self.created = not os.path.exists(path)
-        try:
-            self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        except OSError as e:
-            raise ImageIOError(f"{path}: {e.strerror}") from None
+        self.role = role
+        self.created = not os.path.lexists(path)
+        self.fd = open_image(path, role, os.O_RDWR | os.O_CREAT)
 
     def pwrite_all(self, buf: bytes, offset: int) -> None:
         """Write all of buf at offset, or raise ImageIOError naming the image and the byte."""
@@ -132,13 +208,14 @@ class HashImageWriter(ImageFile):
             try:
                 done = os.pwrite(self.fd, view, offset)
             except OSError as e:
-                raise ImageIOError(f"{self.path}: {e.strerror} (writing at byte "
-                                   f"{offset})") from None
+                raise ImageIOError(f"{self.role}: {self.path}: {e.strerror} (writing at "
+                                   f"byte {offset})") from None
             view, offset = view[done:], offset + done
 
     def extend_to(self, size: int) -> None:
         """Grow the image to size bytes if it is shorter (the new bytes read as zeros)."""
-        if self.end() < size:
+        if self.size() < size:
+            self.check_room(size)
             self._call(os.ftruncate, size)
 
     def sync(self) -> None:
@@ -156,4 +233,11 @@ class HashImageWriter(ImageFile):
         try:
             call(self.fd, *args)
         except OSError as e:
-            raise ImageIOError(f"{self.path}: {e.strerror}") from None
+            raise ImageIOError(f"{self.role}: {self.path}: {e.strerror}") from None
+
+
+class HashImageWriter(ImageWriter):
+    """The hash image as format writes it."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path, "hash")

@@ -1,9 +1,12 @@
-"""Fixtures shared by every test: the installed CLI, the veritysetup oracle, images.
+"""Fixtures shared by every test: the installed CLI, the veritysetup oracle, images,
+loop devices.
 
 `tools` runs `nbd-verity` (the console script of this venv, as a user would) and the real
 `veritysetup` in subprocesses with a clean environment, so a test sees exactly what a user
 sees: stdout, stderr and the exit status. It is session-scoped, so hypothesis tests may use
 it. Images are made from a seeded random generator and are the same on every run.
+`loop_device` attaches a file as a block device (`losetup -f --show`) and detaches it, by
+the name losetup printed, when the test ends.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import pytest
 
 NBD_VERITY = str(Path(sys.executable).parent / "nbd-verity")
 VERITYSETUP = shutil.which("veritysetup") or "/usr/sbin/veritysetup"
+LOSETUP = shutil.which("losetup") or "/usr/sbin/losetup"
 # A fixed UUID and salt make both tools' output deterministic, hence comparable byte for byte.
 UUID = "a60c98d2-ae9b-4865-bfcb-b4e3ace11033"
 SALT = "e48da609055204e89ae53b655ca2216dd983cf3cb829f34f63a297d106d53e2d"
@@ -59,12 +63,12 @@ class Tools:
     write_image = staticmethod(write_image)
     sha256 = staticmethod(file_sha256)
 
-    def run(self, argv: list[str]) -> subprocess.CompletedProcess:
+    def run(self, argv: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
         return subprocess.run([str(a) for a in argv], capture_output=True, text=True,
-                              env=_clean_env(), timeout=300, check=False)
+                              env=_clean_env(), timeout=timeout, check=False)
 
-    def ours(self, *args) -> subprocess.CompletedProcess:
-        return self.run([NBD_VERITY, *args])
+    def ours(self, *args, timeout: float = 300) -> subprocess.CompletedProcess:
+        return self.run([NBD_VERITY, *args], timeout=timeout)
 
     def theirs(self, *args) -> subprocess.CompletedProcess:
         return self.run([VERITYSETUP, *args])
@@ -91,3 +95,18 @@ def tools() -> Tools:
             pytest.fail(f"{path} is missing: run `make setup` (it installs cryptsetup-bin)")
     return Tools()
 
+
+@pytest.fixture
+def loop_device(request):
+    """attach(path, writable=False) -> Path of a loop device over path (read-only unless
+    writable); each one is detached by its name when the test ends, whatever happened."""
+    def attach(path, writable: bool = False) -> Path:
+        argv = [LOSETUP, "-f", "--show", *([] if writable else ["-r"]), str(path)]
+        run = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+        if run.returncode != 0:
+            pytest.fail(f"losetup: {run.stderr.strip()}")
+        name = run.stdout.strip()
+        request.addfinalizer(lambda: subprocess.run([LOSETUP, "-d", name], timeout=60,
+                                                    check=True))
+        return Path(name)
+    return attach

@@ -15,6 +15,7 @@ import click
 
 from ..errors import ConfigError
 from ..roothash import root_hash_text
+from ..source import image_size
 from ..trust.certs import parse_pem_certificates
 from ..trust.sidecar import parse_hex, write_file, write_sidecars
 from ..trust.signature import HASHES
@@ -45,8 +46,10 @@ def sign_cmd(root_hash: str | None, key_path: str, cert_path: str,
     the lowercase hex, as `veritysetup open --root-hash-signature` and systemd take it."""
     if output is None and image is None:
         raise ConfigError("output: give -o FILE or --sidecars IMAGE")
-    if image is not None and not os.path.isfile(image):
-        raise ConfigError(f"sidecars: {image}: no such image")
+    if image is not None:
+        if not os.path.exists(image):
+            raise ConfigError(f"sidecars: {image}: no such image")
+        image_size(image, "sidecars")  # one that opens: a regular file or a block device
     root_hex = parse_hex(root_hash_text(root_hash, root_hash_file), "root-hash", "root hash")
     der = sign_root_hash(root_hex, key_path, cert_path, digest=digest)
     report = sys.stderr if output == "-" else sys.stdout

@@ -19,6 +19,7 @@ from ..errors import ConfigError, VerityError
 from ..limits import block_size_problem
 from ..params import VerityParams, load_params, parse_uuid, random_salt, random_uuid, read_params
 from ..roothash import root_digest, root_hash_text
+from ..source import check_output_room, image_size
 from ..trust.root import resolve_root
 from .common import (
     EXIT_CORRUPT,
@@ -29,14 +30,6 @@ from .common import (
     geometry_options,
     image_arguments,
 )
-
-
-def data_size_of(path: str) -> int:
-    try:
-        with open(path, "rb") as f:
-            return f.seek(0, os.SEEK_END)
-    except OSError as e:
-        raise VerityError(f"{path}: {e.strerror}") from None
 
 
 def tree_options(kw: dict) -> dict:
@@ -107,7 +100,7 @@ def format_cmd(data: str, hash_image: str, uuid: str | None, root_hash_file: str
     if (sign_key is None) != (sign_cert is None):
         raise ConfigError("sign-key: give --sign-key and --sign-cert together")
     opts = tree_options(kw)
-    size = data_size_of(data)
+    size = image_size(data, "data")
     dbs = _given(opts["data_block_size"], 4096)
     problem = block_size_problem("data-block-size", dbs)
     if problem:  # checked before it divides the data size
@@ -164,8 +157,9 @@ def _fec_request(params: VerityParams, hash_image: str, fec_device: str | None,
     from ..fec.image import same_file
     from ..fec.layout import DEFAULT_ROOTS, FecGeometry
     roots, offset = _given(roots, DEFAULT_ROOTS), _given(offset, 0)
-    FecGeometry.from_params(params, roots, params.geometry().hash_image_size, offset,
-                            same_file(hash_image, fec_device))
+    geo = FecGeometry.from_params(params, roots, params.geometry().hash_image_size, offset,
+                                  same_file(hash_image, fec_device))
+    check_output_room(fec_device, "fec", geo.parity_end)
     return roots, offset
 
 
@@ -211,9 +205,9 @@ def verify_cmd(data: str, hash_image: str | None, root_hash: str | None,
     for warning in trusted.warnings:
         click.echo(f"nbd-verity: warning: {warning}", err=True)
     hash_image = trusted.hash_image
-    params = load_params(hash_image, tree_options(kw), data_size_of(data))
+    size = image_size(data, "data")
+    params = load_params(hash_image, tree_options(kw), size)
     root = root_digest(trusted.root_hex, params.digester().digest_size)
-    size = data_size_of(data)
     if size < params.data_blocks * params.data_block_size:
         raise VerityError(f"{data}: {size} bytes, the tree covers "
                           f"{params.data_blocks * params.data_block_size}")

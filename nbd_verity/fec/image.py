@@ -15,14 +15,13 @@ digest): FecVerifyReport.repaired and .unrepaired, what a reader of the device w
 
 from __future__ import annotations
 
-import contextlib
 import os
 from dataclasses import dataclass, field
 
 from ..builder import VerifyReport, build_tree, verify_image
-from ..errors import DataCorruption, HashCorruption, ImageIOError
+from ..errors import DataCorruption, HashCorruption
 from ..params import VerityParams
-from ..source import ImageFile
+from ..source import ImageFile, ImageWriter, image_size
 from . import rs
 from .layout import FecGeometry, FecRepairer, MessageReader, encode
 
@@ -39,39 +38,22 @@ def same_file(a: str, b: str) -> bool:
 
 def fec_geometry(params: VerityParams, hash_path: str, fec_path: str, roots: int,
                  fec_offset: int = 0) -> FecGeometry:
-    """The geometry of an image's FEC, from the hash image as it is on disk."""
-    try:
-        size = os.stat(hash_path).st_size
-        if size == 0:  # a block device
-            with open(hash_path, "rb") as f:
-                size = f.seek(0, os.SEEK_END)
-    except OSError as e:
-        raise ImageIOError(f"{hash_path}: {e.strerror}") from None
-    return FecGeometry.from_params(params, roots, size, fec_offset,
+    """The geometry of an image's FEC, from the hash image as it is on disk; the FEC
+    image must be one that opens (veritysetup dump and verify refuse it otherwise)."""
+    ImageFile(fec_path, "fec").close()
+    return FecGeometry.from_params(params, roots, image_size(hash_path, "hash"), fec_offset,
                                    same_file(hash_path, fec_path))
 
 
 def write_fec(data_path: str, hash_path: str, fec_path: str, params: VerityParams,
               roots: int, fec_offset: int = 0, progress=None) -> FecGeometry:
     """Write the parity of an image whose tree is already in hash_path."""
-    if not os.path.exists(fec_path):
-        with contextlib.suppress(FileExistsError):
-            os.close(os.open(fec_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
-    geo = fec_geometry(params, hash_path, fec_path, roots, fec_offset)
-    data, hashes = ImageFile(data_path, "data"), ImageFile(hash_path, "hash")
-    try:
-        fd = os.open(fec_path, os.O_RDWR | os.O_CLOEXEC)
-    except OSError as e:
-        data.close()
-        hashes.close()
-        raise ImageIOError(f"fec: {fec_path}: {e.strerror}") from None
-    try:
-        encode(geo, MessageReader(geo, data, hashes), fd, progress)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-        data.close()
-        hashes.close()
+    with ImageWriter(fec_path, "fec") as fec:  # created first: same_file needs it
+        geo = fec_geometry(params, hash_path, fec_path, roots, fec_offset)
+        fec.check_room(geo.parity_end)
+        with ImageFile(data_path, "data") as data, ImageFile(hash_path, "hash") as hashes:
+            encode(geo, MessageReader(geo, data, hashes), fec.fd, progress)
+        fec.sync()
     return geo
 
 

@@ -26,10 +26,10 @@ class ServedFec:
 
     def __init__(self, params: VerityParams, data: ImageFile, hashes: ImageFile,
                  hash_path: str, fec_path: str, roots: int, fec_offset: int = 0) -> None:
-        self.geo = FecGeometry.from_params(params, roots, _size(hashes), fec_offset,
+        self.geo = FecGeometry.from_params(params, roots, hashes.size(), fec_offset,
                                            same_file(hash_path, fec_path))
         self.file = ImageFile(fec_path, "fec")
-        size = self.file.end()  # st_size is 0 for a block device
+        size = self.file.size()
         if size < self.geo.parity_end:
             self.file.close()
             raise ImageIOError(f"fec-device: {fec_path} is {size} bytes, its parity ends "
@@ -52,9 +52,3 @@ class ServedFec:
 
     def close(self) -> None:
         self.file.close()
-
-
-def _size(image) -> int:
-    """An image's size: a local file's by seeking (st_size is 0 for a block device),
-    any other source's (a remote one) as it reports it."""
-    return image.end() if isinstance(image, ImageFile) else image.size()

@@ -90,10 +90,13 @@ def test_sidecars_then_verify_finds_them(tools, ids, image, tmp_path):
 @pytest.mark.parametrize("args, message", [
     ([], "output: give -o FILE or --sidecars IMAGE"),
     (["--sidecars", "nowhere.raw"], "sidecars: nowhere.raw: no such image"),
+    (["--sidecars", "/dev/null"],
+     "sidecars: /dev/null: a character device, not a regular file or a block device"),
+    (["--sidecars", "."], "sidecars: .: a directory, not a regular file or a block device"),
     (["-o", "x.p7s", "--root-hash-file", "root.txt"],
      "root-hash: give it directly or with root-hash-file, not both"),
     (["-o", "x.p7s", "--cert", "{other}"], "sign-cert: {other} is not the certificate of"),
-], ids=["no-output", "no-image", "two-roots", "wrong-cert"])
+], ids=["no-output", "no-image", "character-device", "directory", "two-roots", "wrong-cert"])
 def test_sign_refusals_are_one_line(tools, ids, image, tmp_path, args, message):
     other = str(ids["other"].cert)
     (tmp_path / "root.txt").write_text(image[1])
@@ -104,6 +107,24 @@ def test_sign_refusals_are_one_line(tools, ids, image, tmp_path, args, message):
     assert run.stderr.startswith(f"nbd-verity: {message.format(other=other)}"), run.stderr
     assert len(run.stderr.splitlines()) == 1
     assert not (tmp_path / "x.p7s").exists()
+
+
+def test_sidecars_of_a_block_device(tools, ids, image, tmp_path, loop_device):
+    """A block device is an image: sign --sidecars writes beside the name it is given (here
+    a link to a loop device, as /dev/disk/by-label/ names are), and verify finds them."""
+    shutil.copyfile(image[0].with_suffix(".verity"), tmp_path / "disk.verity")
+    disk = tmp_path / "disk"
+    disk.symlink_to(loop_device(image[0]))
+    run = tools.ours("sign", "--key", ids["rsa"].key, "--cert", ids["rsa"].cert, image[1],
+                     "--sidecars", disk)
+    assert run.returncode == 0, run.stderr
+    assert (tmp_path / "disk.roothash").read_text() == image[1]
+    assert oracle_verify(tmp_path / "disk.roothash.p7s", ids["rsa"].cert,
+                         tmp_path / "disk.roothash")
+    ok = tools.ours("verify", disk, "--trusted-certs", ids["rsa"].cert, "--require-signatures")
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.splitlines()[0] == "Verified 256 data blocks: OK"
+    assert "signed by CN=rsa-signer" in ok.stdout
 
 
 def _in(tools, directory, args):

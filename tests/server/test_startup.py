@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import socket
 from dataclasses import replace
 from pathlib import Path
 
@@ -109,3 +111,66 @@ def test_serve_with_root_hash_file_and_error_mode(default_image, servers, tmp_pa
     h = server.connect()
     assert h.pread(image.size, 0) == image.expected()
     assert "data block 5 is corrupted" in server.log()
+
+
+# -- odd files where an image belongs: one line at start-up, no hang ---------------------
+
+SETPRIV = "/usr/bin/setpriv"
+# Root reads any file whatever its mode; without these capabilities it cannot (see
+# tests/unit/test_cli_rejects.py).
+NO_DAC = [SETPRIV, "--inh-caps=-dac_override,-dac_read_search",
+          "--bounding-set=-dac_override,-dac_read_search"]
+
+
+def odd_file(kind: str, directory: str) -> tuple[str, str]:
+    """(path, what the refusal calls it) of an odd file made in directory."""
+    path = os.path.join(directory, kind)
+    if kind == "directory":
+        os.mkdir(path)
+        return path, "a directory"
+    if kind == "fifo":
+        os.mkfifo(path)
+        return path, "a FIFO"
+    if kind == "socket":
+        with socket.socket(socket.AF_UNIX) as s:
+            s.bind(path)
+        return path, "a socket"
+    return f"/dev/{kind}", "a character device"
+
+
+def argv_with(front: str, image: Image, sockdir: str, role: str, path: str) -> list[str]:
+    """The plugin's or serve's command line with path as the data, hash or FEC image."""
+    if role == "data":
+        image = replace(image, data=Path(path))
+    elif role == "hash":
+        image = replace(image, hash=Path(path))
+    if front == "plugin":
+        return plugin_argv(image, sockdir, **({"fec_device": path} if role == "fec" else {}))
+    return serve_argv(image, sockdir) + (["--fec-device", path] if role == "fec" else [])
+
+
+@pytest.mark.parametrize("kind", ["directory", "fifo", "socket", "zero", "null"])
+@pytest.mark.parametrize("role", ["data", "hash", "fec"])
+@pytest.mark.parametrize("front", ["plugin", "serve"])
+def test_odd_file_as_an_image_is_refused_at_start_up(default_image, sockdir, front, role,
+                                                     kind):
+    path, what = odd_file(kind, sockdir)
+    result = run_refusal(argv_with(front, default_image, sockdir, role, path), timeout=20)
+    line = assert_one_clear_line(result)
+    assert line.endswith(f"{role}: {path}: {what}, not a regular file or a block device")
+    if front == "serve":
+        assert result.returncode == 2
+        assert not os.path.exists(os.path.join(sockdir, "refused.pid"))
+
+
+@pytest.mark.parametrize("role", ["data", "hash", "fec"])
+@pytest.mark.parametrize("front", ["plugin", "serve"])
+def test_unreadable_image_is_refused_at_start_up(default_image, tmp_path, sockdir, front,
+                                                 role):
+    unreadable = tmp_path / "unreadable.img"
+    shutil.copyfile(default_image.data if role == "data" else default_image.hash, unreadable)
+    unreadable.chmod(0)
+    result = run_refusal([*NO_DAC, *argv_with(front, default_image, sockdir, role,
+                                              str(unreadable))], timeout=20)
+    line = assert_one_clear_line(result)
+    assert line.endswith(f"{role}: {unreadable}: Permission denied")

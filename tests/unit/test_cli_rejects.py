@@ -6,7 +6,10 @@ These run the installed console script, as a user would.
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
+import socket
 import struct
 from pathlib import Path
 
@@ -46,7 +49,7 @@ REJECTS = [
      r"nbd-verity: .*/missing\.img: No such file or directory"),
     ("format-data-is-a-directory",
      lambda g, t: ["format", t, t / "h"],
-     r"nbd-verity: .*: Is a directory"),
+     r"nbd-verity: data: .*: a directory, not a regular file or a block device"),
     ("format-hash-in-missing-directory",
      lambda g, t: ["format", g[1], t / "no" / "h"],
      r"nbd-verity: .*/no/h: No such file or directory"),
@@ -58,7 +61,7 @@ REJECTS = [
      r"nbd-verity: .*/missing\.img: No such file or directory"),
     ("verify-unreadable-hash-directory",
      lambda g, t: ["verify", g[1], t, g[3]],
-     r"nbd-verity: .*: Is a directory"),
+     r"nbd-verity: hash: .*: a directory, not a regular file or a block device"),
     ("dump-missing-hash",
      lambda g, t: ["dump", t / "missing.img"],
      r"nbd-verity: .*/missing\.img: No such file or directory"),
@@ -238,3 +241,82 @@ def test_verify_of_a_wrong_root_hash_names_the_top_block(tools, good):
     assert run.stderr.splitlines() == [
         "nbd-verity: metadata block 1 is corrupted (level 1)",
         "nbd-verity: verification failed: 1 corrupted block(s)"]
+
+
+# -- odd files where an image belongs --------------------------------------------------
+# Each is refused at once (no hang: a FIFO is never opened), in one line that names the
+# role, the path and what the file is, before anything is written.
+
+SETPRIV = shutil.which("setpriv") or "/usr/bin/setpriv"
+# Root reads any file whatever its mode: without these two capabilities (dropped from
+# the bounding and inheritable sets, so the command cannot regain them) it is held to
+# the mode bits like any user, while every other file stays as it is.
+NO_DAC = [SETPRIV, "--inh-caps=-dac_override,-dac_read_search",
+          "--bounding-set=-dac_override,-dac_read_search"]
+
+
+@pytest.fixture(scope="module")
+def odd_files(tmp_path_factory):
+    """kind -> (path, what the refusal calls it): a directory, a FIFO, a socket, and
+    character devices (/dev/zero, /dev/null)."""
+    where = tmp_path_factory.mktemp("odd")  # short: a socket's path holds 108 bytes
+    (where / "dir").mkdir()
+    os.mkfifo(where / "fifo")
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(where / "sock"))  # the socket file outlives the socket
+    return {"directory": (where / "dir", "a directory"), "fifo": (where / "fifo", "a FIFO"),
+            "socket": (where / "sock", "a socket"),
+            "dev-zero": (Path("/dev/zero"), "a character device"),
+            "dev-null": (Path("/dev/null"), "a character device")}
+
+
+# (id, role, argv as a function of (good, tmp_path, the odd path))
+ODD_PLACES = [
+    ("format-data", "data", lambda g, t, p: ["format", p, t / "h"]),
+    ("format-hash", "hash", lambda g, t, p: ["format", g[1], p]),
+    ("format-fec", "fec", lambda g, t, p: ["format", g[1], t / "h", "--fec-device", p]),
+    ("verify-data", "data", lambda g, t, p: ["verify", p, g[2], g[3]]),
+    ("verify-hash", "hash", lambda g, t, p: ["verify", g[1], p, g[3]]),
+    ("verify-fec", "fec", lambda g, t, p: ["verify", g[1], g[2], g[3], "--fec-device", p]),
+    ("dump-hash", "hash", lambda g, t, p: ["dump", p]),
+    ("dump-fec", "fec", lambda g, t, p: ["dump", g[2], "--fec-device", p]),
+]
+ODD_KINDS = ["directory", "fifo", "socket", "dev-zero", "dev-null"]
+
+
+@pytest.mark.parametrize("kind", ODD_KINDS)
+@pytest.mark.parametrize(("role", "argv"), [(p[1], p[2]) for p in ODD_PLACES],
+                         ids=[p[0] for p in ODD_PLACES])
+def test_odd_file_as_an_image_is_refused(tools, good, odd_files, tmp_path, role, argv, kind):
+    _, data, hash_image, _ = good
+    path, what = odd_files[kind]
+    before = (tools.sha256(data), tools.sha256(hash_image))
+    run = tools.ours(*argv(good, tmp_path, path), timeout=30)  # a hang fails, not waits
+    assert (run.returncode, run.stdout) == (2, ""), run.stdout + run.stderr
+    assert run.stderr == (f"nbd-verity: {role}: {path}: {what}, not a regular file or a "
+                          f"block device\n")
+    assert (tools.sha256(data), tools.sha256(hash_image)) == before
+    assert not (tmp_path / "h").exists()  # refused before the tree was written
+
+
+@pytest.mark.parametrize(("role", "argv"), [
+    ("data", lambda g, t, p: ["format", p, t / "h"]),
+    ("data", lambda g, t, p: ["verify", p, g[2], g[3]]),
+    ("hash", lambda g, t, p: ["verify", g[1], p, g[3]]),
+    ("hash", lambda g, t, p: ["dump", p]),
+    ("fec", lambda g, t, p: ["verify", g[1], g[2], g[3], "--fec-device", p]),
+], ids=["format-data", "verify-data", "verify-hash", "dump-hash", "verify-fec"])
+def test_unreadable_image_is_refused(tools, good, tmp_path, role, argv):
+    _, data, hash_image, root = good
+    # The same command reads readable images without the capabilities: only the mode
+    # of the one unreadable file makes it fail.
+    readable = tools.run([*NO_DAC, tools.nbd_verity_path, "verify", data, hash_image, root])
+    assert readable.returncode == 0, readable.stderr
+    unreadable = tmp_path / "unreadable.img"
+    shutil.copyfile(data if role == "data" else hash_image, unreadable)
+    unreadable.chmod(0)
+    run = tools.run([*NO_DAC, tools.nbd_verity_path, *argv(good, tmp_path, unreadable)],
+                    timeout=30)
+    assert (run.returncode, run.stdout) == (2, ""), run.stdout + run.stderr
+    assert run.stderr == f"nbd-verity: {role}: {unreadable}: Permission denied\n"
+    assert not (tmp_path / "h").exists()
