@@ -44,7 +44,7 @@ def render(rows: dict[str, dict[str, FioResult]], columns: dict[str, str], note:
     """The doc: one row per device, one MB/s column per fio job (plus 4k IOPS)."""
     header = ["device", *columns.values()]
     lines = [
-        "# Real-kernel benchmarks (user-mode-linux guest)",
+        "# Real-kernel benchmarks (QEMU guest, Debian's kernel)",
         "",
         "Written by `make e2e-bench` (tests/e2e/test_guest.py::test_fio_figures); do not edit.",
         "",

@@ -1,6 +1,6 @@
-"""The real kernel reads nbd-verity: /dev/nbd0 in a user-mode-linux guest, against dm-verity.
+"""The real kernel reads nbd-verity: /dev/nbd0 in a QEMU guest, against its dm-verity.
 
-Each test boots one guest (about 3 s) with nbd-verity serving on the host side of a private
+Each test boots one guest (Debian's kernel under TCG, about 8 s) with nbd-verity serving on the host side of a private
 network namespace, and compares what the guest's kernel sees through `nbd-client` with
 what the same kernel's own dm-verity sees on the same images: the same bytes, and EIO on
 exactly the same blocks. See harness.py for how a run is put together.
@@ -164,10 +164,11 @@ nbd_detach nbd1
         rows = {title: {job: read_fio(run.work / f"{prefix}-{job}.json") for job in FIO_JOBS}
                 for prefix, (_, title) in targets.items()}
         guest_kernel = re.search(r"init up after \S+ s, kernel (\S+)", run.console).group(1)
-    note = (f"fio in a UML {guest_kernel} guest: psync, direct, 2 jobs, 3 s each, "
-            "64 MiB random image, "
-            "`nbd-client -b 4096` over slirp. The link into the guest bounds the NBD rows: "
-            "compare servers with each other, not with dm-verity.")
+    note = (f"fio in a QEMU guest (TCG, 2 vCPUs, Debian {guest_kernel}): psync, direct, "
+            "2 jobs, 3 s each, 64 MiB random image, `nbd-client -b 4096` over QEMU's user "
+            "network and socat to the server's Unix socket; dm-verity reads virtio disks. "
+            "The link into the guest bounds the NBD rows: compare servers with each other, "
+            "not with dm-verity.")
     text = render(rows, {job: title for job, (_, _, title) in FIO_JOBS.items()}, note)
     record(text, run.work / "e2e-benchmarks.md")
     print(text)
