@@ -71,10 +71,21 @@ def cache_dir() -> Path:
     return Path(os.environ.get(CACHE_ENV) or DEFAULT_CACHE)
 
 
+def _apt(argv: list[str], cwd: Path | None = None) -> str:
+    """An apt command's output; on failure, once more after `apt-get update` (a machine
+    whose package lists are missing or stale)."""
+    done = subprocess.run(argv, cwd=cwd, capture_output=True, text=True)
+    if done.returncode != 0:
+        subprocess.run(["apt-get", "update", "-qq"], check=True, capture_output=True)
+        done = subprocess.run(argv, cwd=cwd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"e2e: {' '.join(argv)} failed:\n{done.stderr}")
+    return done.stdout
+
+
 def kernel_package() -> str:
     """The linux-image-6.1.0-N-amd64 package that linux-image-amd64 depends on."""
-    out = subprocess.run(["apt-cache", "depends", "linux-image-amd64"], check=True,
-                         capture_output=True, text=True).stdout
+    out = _apt(["apt-cache", "depends", "linux-image-amd64"])
     for line in out.splitlines():
         word = line.strip()
         if word.startswith("Depends: linux-image-"):
@@ -95,8 +106,7 @@ def ensure_kernel(cache: Path | None = None) -> GuestKernel:
         with tempfile.TemporaryDirectory(dir=cache) as tmp:
             # apt-get download writes into the current folder; as root it warns that _apt
             # cannot reach it, which is harmless.
-            subprocess.run(["apt-get", "download", "-q", package], cwd=tmp, check=True,
-                           capture_output=True)
+            _apt(["apt-get", "download", "-q", package], cwd=Path(tmp))
             (deb,) = Path(tmp).glob("*.deb")
             subprocess.run(["dpkg-deb", "-x", str(deb), str(root)], check=True)
         done.write_text(package + "\n")
@@ -210,4 +220,7 @@ def ensure_initramfs(kernel: GuestKernel, cache: Path | None = None) -> Path:
     tmp = path.with_suffix(".tmp")
     tmp.write_bytes(_cpio_newc(entries))
     tmp.rename(path)
+    for old in cache.glob("initramfs-*.cpio"):  # earlier builds: never used again
+        if old != path:
+            old.unlink()
     return path

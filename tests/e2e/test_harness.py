@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
+import socket
 from pathlib import Path
 
 import pytest
 
-from .harness import GuestFailed, boot_guest
-from .images import level0_hash_block
+from .harness import GuestFailed, Server, boot_guest, guest_run
+from .images import level0_hash_block, random_file, verity_format
 
 
 def test_failing_scenario_raises_with_console_log(e2e_host, tmp_path: Path):
@@ -36,3 +38,32 @@ def test_level0_hash_block(data_blocks, k, expected):
 def test_level0_hash_block_rejects_a_tree_without_level0():
     with pytest.raises(ValueError, match="no hash blocks"):
         level0_hash_block(1, 0)
+
+
+def test_the_guest_reaches_only_its_servers(e2e_host, tmp_path: Path):
+    """restrict=on: a listener on the host's loopback is out of the guest's reach (QEMU's
+    gateway 10.0.2.2 would be the way to it), while a guestfwd port reaches its server."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    listener.setblocking(False)
+    port = listener.getsockname()[1]
+    export = verity_format(random_file(tmp_path / "d.img", 1 << 20, seed=3), tmp_path / "h.img")
+    script = f"""
+if socat -T 3 /dev/null TCP:10.0.2.2:{port},connect-timeout=3 2>"$E2E_WORK/host.err"; then
+    echo connected >"$E2E_WORK/host"
+else
+    echo refused >"$E2E_WORK/host"
+fi
+nbd_attach nbd0 10809
+dev_sha256 nbd0 nbd.sha256
+nbd_detach nbd0
+"""
+    try:
+        with guest_run(script, [], {10809: Server(export)}, tmp_path / "run") as run:
+            assert run.read("host") == "refused", run.read("host.err")
+            assert run.read("nbd.sha256") == hashlib.sha256(export.data.read_bytes()).hexdigest()
+        with pytest.raises(BlockingIOError):
+            listener.accept()  # nothing ever arrived
+    finally:
+        listener.close()
