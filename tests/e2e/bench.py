@@ -40,8 +40,24 @@ def read_fio(path: Path) -> FioResult:
     return FioResult(bw_bytes=float(read["bw_bytes"]), iops=float(read["iops"]))
 
 
-def render(rows: dict[str, dict[str, FioResult]], columns: dict[str, str], note: str) -> str:
-    """The doc: one row per device, one MB/s column per fio job (plus 4k IOPS)."""
+def recording() -> bool:
+    """Whether this run rewrites the tracked doc (NBD_VERITY_E2E_RECORD=1)."""
+    return os.environ.get(RECORD_ENV) == "1"
+
+
+def _cell(results: list[FioResult]) -> str:
+    """Median MB/s and IOPS of the rounds, and the MB/s spread when there are several."""
+    ordered = sorted(results, key=lambda r: r.bw_bytes)
+    mid = ordered[len(ordered) // 2]
+    cell = f"{mid.mb_s:.1f} MB/s ({mid.iops:.0f} IOPS)"
+    if len(ordered) > 1:
+        cell += f", {ordered[0].mb_s:.1f}–{ordered[-1].mb_s:.1f}"
+    return cell
+
+
+def render(rows: dict[str, dict[str, list[FioResult]]], columns: dict[str, str],
+           note: str) -> str:
+    """The doc: one row per device, one column per fio job: the median of the rounds."""
     header = ["device", *columns.values()]
     lines = [
         "# Real-kernel benchmarks (QEMU guest, Debian's kernel)",
@@ -54,8 +70,7 @@ def render(rows: dict[str, dict[str, FioResult]], columns: dict[str, str], note:
         "|" + "---|" * len(header),
     ]
     for device, results in rows.items():
-        cells = [f"{results[job].mb_s:.1f} MB/s ({results[job].iops:.0f} IOPS)"
-                 for job in columns]
+        cells = [_cell(results[job]) for job in columns]
         lines.append(f"| {device} | " + " | ".join(cells) + " |")
     load = os.getloadavg()[0]
     lines += ["", f"Recorded {time.strftime('%Y-%m-%d')}: {os.cpu_count()} host cores, "
@@ -67,7 +82,7 @@ def render(rows: dict[str, dict[str, FioResult]], columns: dict[str, str], note:
 def record(text: str, copy: Path) -> bool:
     """Always write text to copy; also to the tracked doc when recording. True if recorded."""
     copy.write_text(text)
-    if os.environ.get(RECORD_ENV) == "1":
+    if recording():
         DOC.parent.mkdir(parents=True, exist_ok=True)
         DOC.write_text(text)
         return True
