@@ -1,1 +1,1 @@
-"""Real-kernel end-to-end tests: Debian's kernel in a QEMU guest reads nbd-verity through /dev/nbd0."""
+"""Real-kernel end-to-end tests: Debian's kernel in a QEMU guest reads /dev/nbd0."""

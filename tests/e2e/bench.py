@@ -51,7 +51,7 @@ def _cell(results: list[FioResult]) -> str:
     mid = ordered[len(ordered) // 2]
     cell = f"{mid.mb_s:.1f} MB/s ({mid.iops:.0f} IOPS)"
     if len(ordered) > 1:
-        cell += f", {ordered[0].mb_s:.1f}–{ordered[-1].mb_s:.1f}"
+        cell += f", {ordered[0].mb_s:.1f} to {ordered[-1].mb_s:.1f}"
     return cell
 
 

@@ -167,11 +167,11 @@ def load_order(kernel: GuestKernel, wanted=MODULES) -> list[tuple[Path, str]]:
         if name in seen:
             return
         if name in stack:
-            raise ValueError(f"module dependency loop: {' -> '.join(stack + (name,))}")
+            raise ValueError(f"module dependency loop: {' -> '.join((*stack, name))}")
         if name not in paths:
             raise ValueError(f"{kernel.package} has no module {name}")
         for dep in modinfo_depends(paths[name]):
-            visit(dep, "", stack + (name,))
+            visit(dep, "", (*stack, name))
         seen.add(name)
         order.append((paths[name], params))
 

@@ -1,7 +1,7 @@
 """The real kernel reads nbd-verity: /dev/nbd0 in a QEMU guest, against its dm-verity.
 
-Each test boots one guest (Debian's kernel under TCG, about 8 s) with nbd-verity serving on the host side of a private
-network namespace, and compares what the guest's kernel sees through `nbd-client` with
+Each test boots one guest (Debian's kernel under TCG, about 8 s) with nbd-verity serving
+on a Unix socket of the host, and compares what the guest's kernel sees through `nbd-client` with
 what the same kernel's own dm-verity sees on the same images: the same bytes, and EIO on
 exactly the same blocks. See harness.py for how a run is put together.
 """
