@@ -1,7 +1,7 @@
 """The two optional C extensions; every other setting lives in pyproject.toml.
 
-nbd_verity._native is the verification core on OpenSSL's EVP API (digest.py uses it);
-nbd_verity.fec._rs is the Reed-Solomon codec of FEC (nbd_verity/fec/). Both are
+nbd_verity.format._native is the verification core on OpenSSL's EVP API (digest.py uses
+it); nbd_verity.fec._rs is the Reed-Solomon codec of FEC (nbd_verity/fec/). Both are
 optional=True: without a compiler or OpenSSL's headers the package still installs, and
 falls back to hashlib and to the pure-Python codec.
 """
@@ -9,7 +9,8 @@ falls back to hashlib and to the pure-Python codec.
 from setuptools import Extension, setup
 
 setup(ext_modules=[
-    Extension("nbd_verity._native", ["nbd_verity/_native.c"], libraries=["crypto"],
+    Extension("nbd_verity.format._native", ["nbd_verity/format/_native.c"],
+              libraries=["crypto"],
               extra_compile_args=["-O2", "-Wall"], optional=True),
     Extension("nbd_verity.fec._rs", ["nbd_verity/fec/_rs.c"], optional=True,
               extra_compile_args=["-O3", "-std=c11", "-Wall"]),

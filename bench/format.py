@@ -175,9 +175,9 @@ def sweep(image: Path, reps: int, quiet_wait: float) -> str:
     """Time level-0 hashing (builder.data_slot_chunks: no start-up, no writes) for each
     SWEEP row."""
     sys.path.insert(0, str(REPO))
-    from nbd_verity import builder
-    from nbd_verity.params import VerityParams
-    from nbd_verity.source import ImageFile
+    from nbd_verity.format import builder
+    from nbd_verity.format.params import VerityParams
+    from nbd_verity.sources.source import ImageFile
 
     size = image.stat().st_size
     params = VerityParams(data_blocks=size // 4096, salt=bytes.fromhex(SALT)).check()

@@ -1,6 +1,6 @@
 """The server's per-request cost without nbdkit: one caller, no GIL contention, no sockets.
 
-Builds the Device that nbdkit would (nbd_verity.device) in this process and times
+Builds the Device that nbdkit would (nbd_verity.serve.device) in this process and times
 Connection.read on random size-aligned offsets of a cached image, with the table forcing
 every request inline or to the pool, next to the two costs no verifier can avoid: preadv
 into the buffer, and SHA-256 of its blocks in a bare loop. What is left is the Python
@@ -20,9 +20,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from nbd_verity.config import config_from_pairs
-from nbd_verity.device import Connection, Device
 from nbd_verity.limits import MAX_REQUEST_SIZE
+from nbd_verity.serve.config import config_from_pairs
+from nbd_verity.serve.device import Connection, Device
 
 SIZES = (4096, 65536, 524288)
 TOTAL = 160 << 20  # bytes read per measurement (at least 200 requests)

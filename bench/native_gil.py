@@ -1,10 +1,10 @@
-"""Where releasing the GIL pays in nbd_verity._native, measured under a real nbdkit.
+"""Where releasing the GIL pays in nbd_verity.format._native, measured under a real nbdkit.
 
 One nbd-verity server (every request inline) per release size, all alive at once; fio
 (--ioengine=nbd, 8 jobs x QD1 random reads) runs each request size on each server in
 turn, ROUNDS times, so the machine's noise spreads over every column. Release size 0
 releases the GIL for every run, NEVER for none; NBD_VERITY_RELEASE_SIZE sets it in the
-server (nbd_verity.digest). Prints MB/s min/median/max per request size and release size.
+server (nbd_verity.format.digest). Prints MB/s min/median/max per request size and release size.
 Usage: python bench/native_gil.py [SECONDS [ROUNDS [SIZES [RELEASE_SIZES]]]]
        e.g. python bench/native_gil.py 3 4 4096,16384,65536,262144 0,4611686018427387904
 """
@@ -25,7 +25,7 @@ import servers  # noqa: E402
 from fiorun import Job  # noqa: E402
 from run import prefill  # noqa: E402
 
-from nbd_verity.digest import RELEASE_ENV  # noqa: E402
+from nbd_verity.format.digest import RELEASE_ENV  # noqa: E402
 
 NEVER = 1 << 62
 SIZES = (4096, 16384, 32768, 65536, 131072, 262144)

@@ -217,7 +217,7 @@ def run_scaling(cfg: Settings, out: dict) -> None:
 
 
 def _levels(size: int) -> int:
-    from nbd_verity.params import VerityParams
+    from nbd_verity.format.params import VerityParams
     return VerityParams(data_blocks=size // 4096).geometry().levels
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 PROJECT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(PROJECT))
 
-from nbd_verity.control import checked_request  # noqa: E402
+from nbd_verity.control.protocol import checked_request  # noqa: E402
 from nbd_verity.launch import NBDKIT, PLUGIN, STOP_TIMEOUT, Launched  # noqa: E402
 
 NBD_VERITY = str(Path(sys.executable).parent / "nbd-verity")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from nbd_verity.params import VerityParams, random_salt, random_uuid
+from nbd_verity.format.params import VerityParams, random_salt, random_uuid
 
 WRITE_CHUNK = 8 << 20  # bytes per pwrite of repeated blocks
 

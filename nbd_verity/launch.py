@@ -1,9 +1,9 @@
-"""Starting nbdkit: `serve`'s exec, and servers started, awaited and stopped by pid.
+"""Starting nbdkit: its command line, and servers started, awaited and stopped by pid.
 
-Two ways in. `exec_server` is `nbd-verity serve`: it builds the Device once itself, so a
-wrong root hash or a bad image is one clear line before nbdkit even starts, then replaces
-this process with nbdkit (not a child: systemd socket activation needs LISTEN_PID to be
-nbdkit's pid). `Launched` is every other caller's (tune, the demo, the benchmarks and the
+Two ways in. `serve/startup.py` exec_server is `nbd-verity serve`: it builds the Device
+once itself, then replaces this process with the command line built here (not a child:
+systemd socket activation needs LISTEN_PID to be nbdkit's pid). `Launched` is every other
+caller's (tune, the demo, the benchmarks and the
 test harnesses): a server process in the foreground, ready when it accepts connections,
 ended by its own pid, whatever happened.
 
@@ -22,7 +22,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import sysconfig
 import time
 from collections.abc import Mapping, Sequence
@@ -30,8 +29,8 @@ from pathlib import Path
 
 from .errors import ConfigError, VerityError
 
-PLUGIN = Path(__file__).resolve().parent / "plugin.py"  # nbdkit's script: the callbacks
-PROJECT = PLUGIN.parent.parent  # holds the nbd_verity package (a checkout or site-packages)
+PLUGIN = Path(__file__).resolve().parent / "serve" / "plugin.py"  # nbdkit's script
+PROJECT = PLUGIN.parents[2]  # holds the nbd_verity package (a checkout or site-packages)
 NBDKIT = shutil.which("nbdkit") or "/usr/sbin/nbdkit"
 START_TIMEOUT = 60.0  # seconds for a server to be ready (the machine may be small and busy)
 STOP_TIMEOUT = 15.0  # seconds after SIGTERM before SIGKILL
@@ -85,30 +84,6 @@ def check_listen(listen: Mapping) -> None:
         raise ConfigError("listen: give --unix PATH or --port N (or use socket activation)")
     if listen.get("unix") and listen.get("port") is not None:
         raise ConfigError("listen: give --unix or --port, not both")
-
-
-def check_device(pairs: Sequence[tuple[str, str]]):
-    """Open the device once as the plugin will (clear errors now); return it, closed."""
-    from .config import config_from_pairs  # the server side: not needed to stop a process
-    from .device import Device
-    if not PLUGIN.is_file():
-        raise ConfigError(f"plugin: {PLUGIN} is missing from this installation")
-    device = Device(config_from_pairs(pairs))
-    device.close()
-    return device
-
-
-def exec_server(pairs: Sequence[tuple[str, str]], listen: Mapping) -> None:
-    """Check everything once here, then replace this process with nbdkit."""
-    check_listen(listen)
-    device = check_device(pairs)
-    argv = nbdkit_command(pairs, listen)
-    sys.stderr.write(f"nbd-verity: serving {device.size} bytes, verified "
-                     f"({device.params.algorithm}, {device.geo.levels} levels, "
-                     f"{device.verifier.digester.engine} engine), "
-                     f"{device.trust.describe()}\n")
-    sys.stderr.flush()
-    os.execve(argv[0], argv, plugin_environment())
 
 
 # -- servers we start and stop --------------------------------------------------------
@@ -211,7 +186,7 @@ class Launched:
             elif not accepts(self.socket):  # a probe nbdkit logs as a broken handshake
                 return False
         if self.control is not None:
-            from .control import request  # the client half only
+            from .control.protocol import request  # the client half only
             try:
                 return request(self.control, {"cmd": "status"}, timeout=2.0).get("ok") is True
             except VerityError:

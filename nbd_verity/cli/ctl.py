@@ -6,8 +6,8 @@ import json
 
 import click
 
-from ..control import request
-from ..ioprio import CLASSES
+from ..control.protocol import request
+from ..serve.ioprio import CLASSES
 from .common import EXIT_CORRUPT, edge, fail
 
 

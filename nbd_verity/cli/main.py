@@ -50,7 +50,7 @@ def _version(ctx: click.Context) -> None:
     """`nbd-verity --version`: the package's version and which engine hashes."""
     from importlib.metadata import PackageNotFoundError, version
 
-    from ..digest import engine_name
+    from ..format.digest import engine_name
     try:
         text = version("nbd-verity")
     except PackageNotFoundError:

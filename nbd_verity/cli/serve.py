@@ -68,9 +68,10 @@ def serve_cmd(ignore_corruption, restart_on_corruption, unix, port, bind, thread
 
     DATA and HASH are paths, NBD URIs (nbd://, nbds://, nbd+unix://) or http(s):// and
     s3:// URLs (read through nbdkit's curl or S3 plugin, started here)."""
-    from ..config import plugin_pairs  # the server side, imported only to serve
-    from ..launch import check_listen, exec_server
-    from ..upstream import UpstreamOptions, attach
+    from ..launch import check_listen
+    from ..serve.config import plugin_pairs  # the server side, imported only to serve
+    from ..serve.startup import exec_server
+    from ..sources.upstream import UpstreamOptions, attach
     if ignore_corruption and restart_on_corruption:
         raise click.UsageError("--ignore-corruption and --restart-on-corruption conflict")
     if options.get("serialize") is False:  # --parallel: nbdkit's parallel thread model

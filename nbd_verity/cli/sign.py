@@ -14,8 +14,8 @@ import sys
 import click
 
 from ..errors import ConfigError
-from ..roothash import root_hash_text
-from ..source import image_size
+from ..format.roothash import root_hash_text
+from ..sources.source import image_size
 from ..trust.certs import parse_pem_certificates
 from ..trust.sidecar import parse_hex, write_file, write_sidecars
 from ..trust.signature import HASHES

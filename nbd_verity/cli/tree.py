@@ -13,13 +13,20 @@ import sys
 
 import click
 
-from .. import builder
-from ..digest import parse_salt
 from ..errors import ConfigError, VerityError
+from ..format import builder
+from ..format.digest import parse_salt
+from ..format.params import (
+    VerityParams,
+    load_params,
+    parse_uuid,
+    random_salt,
+    random_uuid,
+    read_params,
+)
+from ..format.roothash import root_digest, root_hash_text
 from ..limits import block_size_problem
-from ..params import VerityParams, load_params, parse_uuid, random_salt, random_uuid, read_params
-from ..roothash import root_digest, root_hash_text
-from ..source import check_output_room, image_size
+from ..sources.source import check_output_room, image_size
 from ..trust.root import resolve_root
 from .common import (
     EXIT_CORRUPT,

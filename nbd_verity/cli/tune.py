@@ -2,7 +2,7 @@
 
 Against a running server (`--control PATH --socket PATH`), or against a pair of images it
 serves itself for the length of the run (`tune DATA HASH ROOT_HASH`). The measuring is
-nbd_verity.tune's; this module finds the server, shows progress, prints the sweep, draws
+nbd_verity.control.tune's; this module finds the server, shows progress, prints the sweep, draws
 the plot and finally applies the result (`--apply`) or puts back the table it found.
 Every bad argument is one line on stderr and exit status 2.
 """
@@ -18,14 +18,15 @@ import tempfile
 
 import click
 
-from ..config import parse_size, plugin_pairs
-from ..control import checked_request
-from ..dispatch import INLINE, POOL
+from ..control.protocol import checked_request
+from ..control.table import INLINE, POOL
+from ..control.tune import ClassSweep, Clients, Settings, median_noise, parse_classes, sweep_class
 from ..errors import ConfigError, VerityError
-from ..ioprio import CLASSES
-from ..launch import Launched, check_device, nbdkit_command
+from ..launch import Launched, nbdkit_command
 from ..limits import MAX_REQUEST_SIZE
-from ..tune import ClassSweep, Clients, Settings, median_noise, parse_classes, sweep_class
+from ..serve.config import parse_size, plugin_pairs
+from ..serve.ioprio import CLASSES
+from ..serve.startup import check_device
 from .common import EXIT_ERROR, edge
 
 

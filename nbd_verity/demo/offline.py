@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 import shutil
 
-from ..params import VerityParams
+from ..format.params import VerityParams
 from .walkthrough import CORRUPT_DATA_BLOCK, StepFailed, Walkthrough, flip_byte
 
 IMAGE_SIZE = 64 << 20  # 16384 data blocks of 4096 bytes: a two-level tree (128 + 1)

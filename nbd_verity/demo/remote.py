@@ -14,7 +14,7 @@ import socket
 import tempfile
 from pathlib import Path
 
-from ..control import checked_request
+from ..control.protocol import checked_request
 from ..errors import VerityError
 from ..launch import Launched
 from .serving import READY_TIMEOUT_S, sha256_of, shell

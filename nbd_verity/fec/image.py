@@ -18,10 +18,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from ..builder import VerifyReport, build_tree, verify_image
 from ..errors import DataCorruption, HashCorruption
-from ..params import VerityParams
-from ..source import ImageFile, ImageWriter, image_size
+from ..format.builder import VerifyReport, build_tree, verify_image
+from ..format.params import VerityParams
+from ..sources.source import ImageFile, ImageWriter, image_size
 from . import rs
 from .layout import FecGeometry, FecRepairer, MessageReader, encode
 

@@ -20,9 +20,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from ..errors import ConfigError, ImageIOError
+from ..format.params import VerityParams
 from ..limits import MAX_OFFSET
-from ..params import VerityParams
-from ..source import ImageFile
+from ..sources.source import ImageFile
 from . import rs
 
 RSM = 255  # symbols per codeword

@@ -15,8 +15,8 @@ import threading
 from collections.abc import Callable
 
 from ..errors import ImageIOError
-from ..params import VerityParams
-from ..source import ImageFile
+from ..format.params import VerityParams
+from ..sources.source import ImageFile
 from .image import same_file
 from .layout import FecGeometry, FecRepairer, MessageReader
 

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import nbd
 
-from nbd_verity.control import exchange  # noqa: F401  (the tests send raw lines with it)
-from nbd_verity.control import request as control_request
+from nbd_verity.control.protocol import exchange  # noqa: F401  (the tests send raw lines with it)
+from nbd_verity.control.protocol import request as control_request
 from nbd_verity.launch import Launched, run_to_end
 
 PROJECT = Path(__file__).resolve().parents[2]

@@ -12,8 +12,9 @@ import subprocess
 
 import pytest
 
-from nbd_verity import dispatch, ioprio
+from nbd_verity.control import table as tables
 from nbd_verity.errors import ConfigError
+from nbd_verity.serve import dispatch, ioprio
 
 from .harness import CLASSES
 
@@ -47,21 +48,21 @@ def test_decide(table, io_class, size, path):
 
 
 def test_presets_are_the_documented_tables():
-    assert dispatch.preset("default") == (1 << 20,) * 4
-    assert dispatch.preset("seed") == (4096, 4096, 4096, 4096)
-    assert dispatch.preset("kernel") == (8192, 8192, 8192, 0)
+    assert tables.preset("default") == (1 << 20,) * 4
+    assert tables.preset("seed") == (4096, 4096, 4096, 4096)
+    assert tables.preset("kernel") == (8192, 8192, 8192, 0)
 
 
 def test_unknown_preset_is_refused():
     with pytest.raises(ConfigError, match="unknown preset 'turbo'"):
-        dispatch.preset("turbo")
+        tables.preset("turbo")
 
 
 def test_updated_table_changes_only_the_named_classes():
     table = (1, 2, 3, 4)
-    assert dispatch.updated_table(table, {"be": 65536, "idle": 0}) == (1, 2, 65536, 0)
-    assert dispatch.updated_table(table, {"rt": MAX}) == (1, MAX, 3, 4)
-    assert dispatch.updated_table(table, {}) == table
+    assert tables.updated_table(table, {"be": 65536, "idle": 0}) == (1, 2, 65536, 0)
+    assert tables.updated_table(table, {"rt": MAX}) == (1, MAX, 3, 4)
+    assert tables.updated_table(table, {}) == table
     assert table == (1, 2, 3, 4)
 
 
@@ -78,12 +79,12 @@ def test_updated_table_changes_only_the_named_classes():
 ])
 def test_check_threshold_rejects(value, message):
     with pytest.raises(ConfigError, match=f"threshold be: .*{message}"):
-        dispatch.check_threshold("be", value)
+        tables.check_threshold("be", value)
 
 
 @pytest.mark.parametrize("value", [0, 1, 4096, MAX])
 def test_check_threshold_accepts(value):
-    assert dispatch.check_threshold("be", value) == value
+    assert tables.check_threshold("be", value) == value
 
 
 @pytest.mark.parametrize(("changes", "message"), [
@@ -97,7 +98,7 @@ def test_check_threshold_accepts(value):
 ])
 def test_updated_table_rejects(changes, message):
     with pytest.raises(ConfigError, match=message):
-        dispatch.updated_table((4096,) * 4, changes)
+        tables.updated_table((4096,) * 4, changes)
 
 
 @pytest.mark.parametrize(("name", "expected"), [

@@ -16,7 +16,7 @@ import pytest
 from damage import flip_byte, write_at
 
 from nbd_verity.fec import image as fec_image
-from nbd_verity.params import VerityParams, parse_uuid
+from nbd_verity.format.params import VerityParams, parse_uuid
 
 
 def make_params(tools, size: int, bs: int) -> VerityParams:

@@ -13,7 +13,7 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nbd_verity.digest import supported_algorithms
+from nbd_verity.format.digest import supported_algorithms
 
 
 @st.composite

@@ -15,7 +15,7 @@ import pytest
 from damage import flip_byte
 from golden import GOLDEN, IDS, SALT
 
-from nbd_verity.digest import supported_algorithms
+from nbd_verity.format.digest import supported_algorithms
 
 KIB, MIB = 1 << 10, 1 << 20
 

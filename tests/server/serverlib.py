@@ -29,7 +29,7 @@ import nbd
 import pytest
 from damage import flip_byte, write_at  # noqa: F401  (re-exported to the tests)
 
-from nbd_verity.control import checked_request
+from nbd_verity.control.protocol import checked_request
 from nbd_verity.launch import Launched, run_to_end
 
 PROJECT = Path(__file__).resolve().parents[2]
@@ -42,7 +42,7 @@ STOP_TIMEOUT = 10.0
 MIB = 1 << 20
 
 
-# The hashing engines a server can run on (nbd_verity.digest): servers run on the engine
+# The hashing engines a server can run on (nbd_verity.format.digest): servers run on the engine
 # of the `engine` fixture, native unless the test run itself has NBD_VERITY_PURE=1.
 ENGINES = ("native", "python")
 PURE_ENV = "NBD_VERITY_PURE"
@@ -265,7 +265,7 @@ class Server(Launched):
         """Whether the server process has nbd_verity's compiled module mapped (the pure
         engine never imports it)."""
         maps = Path(f"/proc/{self.pid}/maps").read_text()
-        return "nbd_verity/_native." in maps
+        return "nbd_verity/format/_native." in maps
 
     def stop(self, timeout: float = STOP_TIMEOUT) -> int | None:
         """Close our clients, then stop the server by its pid."""

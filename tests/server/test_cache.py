@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 from serverlib import MIB, expect_eio, flip_byte
 
-from nbd_verity.config import config_from_pairs
-from nbd_verity.device import Connection, Device
+from nbd_verity.serve.config import config_from_pairs
+from nbd_verity.serve.device import Connection, Device
 
 # offset, count: unaligned, several level-0 blocks; the first runs to the device's end (so
 # readahead has nothing past it to fetch), the second stops in the middle.

@@ -2,7 +2,7 @@
 
 Servers run on the native engine unless NBD_VERITY_PURE=1 is set (in the test run, or by
 a test parametrised with both ENGINES); which one ran is read from the server process
-itself: the pure engine never imports nbd_verity._native, so its .so is not mapped.
+itself: the pure engine never imports nbd_verity.format._native, so its .so is not mapped.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from serverlib import (
     server_env,
 )
 
-from nbd_verity.digest import engine_name
+from nbd_verity.format.digest import engine_name
 from nbd_verity.launch import run_to_end
 
 BAD = 200  # a corrupted data block, inside the second 256 KiB pool chunk of a 1 MiB read

@@ -23,7 +23,7 @@ from serverlib import (
 )
 
 from nbd_verity.limits import MAX_REQUEST_SIZE
-from nbd_verity.nbdkit_compat import has_send_race, nbdkit_version
+from nbd_verity.serve.nbdkit_compat import has_send_race, nbdkit_version
 
 SIZES = (4096, 65536, MIB, 4 * MIB)
 IN_FLIGHT = (2, 4, 8, 16)

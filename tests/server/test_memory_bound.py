@@ -88,7 +88,7 @@ def test_rss_stays_within_the_bound_under_random_reads(huge_image, servers, sock
     finally:
         stop.set()
         sampler.join()
-    from nbd_verity.control import checked_request
+    from nbd_verity.control.protocol import checked_request
     stats = checked_request(control, {"cmd": "stats"})["stats"]
     cached = stats["totals"]["cached_hash_blocks"]
     assert CACHE_SIZE // 8192 < cached <= CACHE_SIZE // 4096  # filled, and within budget

@@ -8,8 +8,8 @@ import os
 import pytest
 from serverlib import MIB, control_request, flip_byte
 
-from nbd_verity.config import config_from_pairs
-from nbd_verity.device import Connection, Device
+from nbd_verity.serve.config import config_from_pairs
+from nbd_verity.serve.device import Connection, Device
 
 TAIL = (1 * MIB + 12345, 3 * MIB - 12345)  # to the device's end: nothing to read ahead
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from nbd_verity.control import request as control_request
+from nbd_verity.control.protocol import request as control_request
 from nbd_verity.launch import Launched
 
 PROJECT = Path(__file__).resolve().parents[2]

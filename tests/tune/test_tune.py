@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from nbd_verity.tune import SIZES, ClassSweep, Point, recommend
+from nbd_verity.control.tune import SIZES, ClassSweep, Point, recommend
 
 QUICK = ["--sizes", "4k,64k", "--duration", "0.05", "--repeat", "2"]
 

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from nbd_verity import builder
 from nbd_verity.cli import main
 from nbd_verity.errors import DataCorruption, HashCorruption, ImageIOError
-from nbd_verity.params import VerityParams
-from nbd_verity.source import ImageFile
+from nbd_verity.format import builder
+from nbd_verity.format.params import VerityParams
+from nbd_verity.sources.source import ImageFile
 
 
 def make_data(path: Path, size: int, seed: int = 7) -> Path:

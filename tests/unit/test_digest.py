@@ -7,14 +7,14 @@ import os
 
 import pytest
 
-from nbd_verity.digest import (
+from nbd_verity.errors import ConfigError
+from nbd_verity.format.digest import (
     Digester,
     next_pow2,
     normalize_algorithm,
     parse_salt,
     supported_algorithms,
 )
-from nbd_verity.errors import ConfigError
 
 SALT = bytes.fromhex("e48da609055204e89ae53b655ca2216dd983cf3cb829f34f63a297d106d53e2d")
 BLOCK = bytes(range(256)) * 16

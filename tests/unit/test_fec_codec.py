@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from nbd_verity.errors import ConfigError
 from nbd_verity.fec import layout as fec
 from nbd_verity.fec import rs
-from nbd_verity.params import VerityParams
+from nbd_verity.format.params import VerityParams
 
 CODECS = [pytest.param((rs.py_encode, rs.py_decode), id="python")]
 if rs.NATIVE:

@@ -9,8 +9,8 @@ import pytest
 
 from nbd_verity.fec import image as fec_image
 from nbd_verity.fec.layout import FecRepairer, MessageReader
-from nbd_verity.params import VerityParams
-from nbd_verity.source import ImageFile
+from nbd_verity.format.params import VerityParams
+from nbd_verity.sources.source import ImageFile
 
 BS = 4096
 BLOCKS = 768  # with roots 2: fec_blocks 775, rsn 253, 4 rounds; 5, 9, 13 share a group

@@ -7,11 +7,11 @@ import random
 
 import pytest
 
-from nbd_verity.config import config_from_pairs, plugin_pairs
-from nbd_verity.device import Connection, Device
 from nbd_verity.errors import ConfigError, DataCorruption, ImageIOError
 from nbd_verity.fec import image as fec_image
-from nbd_verity.params import VerityParams
+from nbd_verity.format.params import VerityParams
+from nbd_verity.serve.config import config_from_pairs, plugin_pairs
+from nbd_verity.serve.device import Connection, Device
 
 BS = 4096
 BLOCKS = 768  # with roots 2: 4 rounds, so blocks 5, 9, 13 share a codeword group

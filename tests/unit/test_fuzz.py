@@ -11,12 +11,12 @@ import string
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nbd_verity.config import KEYS, ConfigBuilder
-from nbd_verity.control import MAX_DEPTH, Control, nesting_depth
+from nbd_verity.control.protocol import MAX_DEPTH, Control, nesting_depth
 from nbd_verity.errors import VerityError
-from nbd_verity.ioprio import CLASSES, class_from_export_name
-from nbd_verity.params import VerityParams, params_from_superblock
-from nbd_verity.superblock import SUPERBLOCK_SIZE, Superblock
+from nbd_verity.format.params import VerityParams, params_from_superblock
+from nbd_verity.format.superblock import SUPERBLOCK_SIZE, Superblock
+from nbd_verity.serve.config import KEYS, ConfigBuilder
+from nbd_verity.serve.ioprio import CLASSES, class_from_export_name
 
 FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 VALID = VerityParams(data_blocks=1000, salt=bytes(range(32)), uuid=bytes(16)).check()

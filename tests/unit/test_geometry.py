@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from nbd_verity.errors import FormatError
-from nbd_verity.geometry import TreeGeometry, hash_start_block
-from nbd_verity.params import VerityParams
+from nbd_verity.format.geometry import TreeGeometry, hash_start_block
+from nbd_verity.format.params import VerityParams
 
 
 def geometry(data_blocks, dbs=4096, hbs=4096, digest_size=32, slot_size=32, start=0):

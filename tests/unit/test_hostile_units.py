@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 from nbd_verity import logbound
-from nbd_verity.nbdkit_compat import has_send_race, leaks_failures, parse_version
+from nbd_verity.serve.nbdkit_compat import has_send_race, leaks_failures, parse_version
 
 
 class Clock:

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from golden import DATA_SIZE, GOLDEN, IDS
 
-from nbd_verity.builder import build_tree, verify_image
-from nbd_verity.params import VerityParams
+from nbd_verity.format.builder import build_tree, verify_image
+from nbd_verity.format.params import VerityParams
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The native engine (nbd_verity._native) against the pure-Python reference (digest.py).
+"""The native engine (nbd_verity.format._native) against the pure-Python reference (digest.py).
 
 Identical slots, digests and verdicts (the first block that differs) on random
 algorithms, formats, salts, block sizes, run lengths and corruption positions; the read
@@ -17,8 +17,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nbd_verity import digest, verifier
-from nbd_verity.digest import Digester, engine_name, native_hasher, supported_algorithms
+from nbd_verity.format import digest
+from nbd_verity.format.digest import Digester, engine_name, native_hasher, supported_algorithms
+from nbd_verity.serve import verifier
 
 _native = digest._native
 pytestmark = pytest.mark.skipif(_native is None, reason="the native engine is not built, or "
@@ -161,9 +162,9 @@ def test_engine_name_says_native_and_which_openssl():
 
 
 def test_nbd_verity_pure_forces_the_python_engine():
-    code = ("import sys; from nbd_verity import digest; "
+    code = ("import sys; from nbd_verity.format import digest; "
             "print(digest.engine_name(), digest.Digester('sha256', b'', 1).engine, "
-            "'nbd_verity._native' in sys.modules)")
+            "'nbd_verity.format._native' in sys.modules)")
     env = dict(os.environ, NBD_VERITY_PURE="1")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                          text=True, check=True).stdout.split()

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from nbd_verity import upstream
-from nbd_verity.config import config_from_pairs, plugin_pairs
 from nbd_verity.errors import ConfigError
-from nbd_verity.remote import check_uri, is_uri, redacted
+from nbd_verity.serve.config import config_from_pairs, plugin_pairs
+from nbd_verity.sources import upstream
+from nbd_verity.sources.remote import check_uri, is_uri, redacted
 
 ROOT = "ab" * 32
 

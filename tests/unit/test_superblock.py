@@ -9,8 +9,8 @@ from dataclasses import replace
 import pytest
 
 from nbd_verity.errors import SuperblockError
+from nbd_verity.format.superblock import SIGNATURE, SUPERBLOCK_SIZE, Superblock
 from nbd_verity.limits import block_size_ok
-from nbd_verity.superblock import SIGNATURE, SUPERBLOCK_SIZE, Superblock
 
 UUID = uuidlib.UUID("a60c98d2-ae9b-4865-bfcb-b4e3ace11033")
 

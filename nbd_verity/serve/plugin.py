@@ -2,7 +2,7 @@
 
 `nbdkit python /abs/path/plugin.py data=... hash=...` runs them; `nbd-verity serve` points
 nbdkit at this file itself so that an installed package needs no file outside it. Every
-callback is a few lines that delegate to nbd_verity.device and translate errors at this
+callback is a few lines that delegate to nbd_verity.serve.device and translate errors at this
 edge: corruption and I/O errors become EIO via nbdkit.set_error, and under
 restart-on-corruption a corruption also stops the server (see _restart).
 
@@ -21,11 +21,12 @@ import traceback
 
 import nbdkit
 
-from nbd_verity import device, logbound, nbdkit_compat
-from nbd_verity.config import ConfigBuilder
+from nbd_verity import logbound
 from nbd_verity.errors import ConfigError, CorruptionError, ImageIOError, VerityError
 from nbd_verity.limits import MAX_REQUEST_SIZE
 from nbd_verity.log import log
+from nbd_verity.serve import device, nbdkit_compat
+from nbd_verity.serve.config import ConfigBuilder
 
 API_VERSION = 2
 __all__ = ["API_VERSION", "after_fork", "block_size", "cache", "can_cache", "can_multi_conn",

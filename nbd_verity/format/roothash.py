@@ -6,7 +6,7 @@ here, so a root hash given either way is read and checked the same.
 
 from __future__ import annotations
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 
 def root_bytes(text: str) -> bytes:

@@ -10,7 +10,7 @@ judged only under trusted ones.
 Both stream: the data is mapped window by window and hashed by one process per CPU
 (this one and forked workers, see data_slot_chunks); upper levels are read back from the
 hash image level by level. Memory depends on the window size, not on the image size.
-All I/O goes through nbd_verity.source: the data image is only ever opened read-only
+All I/O goes through nbd_verity.sources.source: the data image is only ever opened read-only
 (ImageFile), the hash image for writing only by format (HashImageWriter).
 """
 
@@ -26,11 +26,11 @@ from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
+from ..errors import CorruptionError, DataCorruption, HashCorruption, ImageIOError
+from ..sources.source import HashImageWriter, ImageFile
 from .digest import Digester
-from .errors import CorruptionError, DataCorruption, HashCorruption, ImageIOError
 from .geometry import TreeGeometry
 from .params import VerityParams
-from .source import HashImageWriter, ImageFile
 from .superblock import SUPERBLOCK_SIZE
 
 SB_WRITE_BLOCK = 4096  # veritysetup's largest superblock write for a file (see below)

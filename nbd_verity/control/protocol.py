@@ -29,7 +29,7 @@ import struct
 import threading
 import time
 
-from .errors import ConfigError, VerityError
+from ..errors import ConfigError, VerityError
 
 MAX_LINE = 64 << 10  # bytes of one request line
 MAX_DEPTH = 16  # JSON nesting of a request (requests need 2)
@@ -168,7 +168,7 @@ class Control:
         except VerityError as e:
             return {"ok": False, "error": str(e)}
         except Exception as e:  # a bug: one reply and one log line, never a dead thread
-            from .log import log
+            from ..log import log
             log(f"control: {type(e).__name__}: {e}")
             return {"ok": False, "error": f"internal error: {type(e).__name__}"}
 
@@ -184,7 +184,7 @@ class Control:
         return getattr(self, f"_{command}")(request)
 
     def _thresholds(self, request: dict) -> dict:
-        from .dispatch import preset, table_dict, updated_table  # server side only
+        from .table import preset, table_dict, updated_table  # server side only
         dispatcher = self.device.dispatcher
         changes = _field(request, "set", dict)
         name = _field(request, "preset", str)

@@ -1,7 +1,7 @@
 """One verified export (Device) and its clients (Connection): what the plugin serves.
 
 A Device opens the images, checks the root, and owns the cache, verifier, dispatcher and
-control socket; a Connection is one client, with its I/O class. nbd_verity.plugin calls
+control socket; a Connection is one client, with its I/O class. nbd_verity.serve.plugin calls
 them and turns their exceptions into errno values (and decides what restart-on-corruption
 does). This module does not import nbdkit, so it also runs (and is tested) outside nbdkit;
 the nbdkit services it needs (export name, peer pid) are passed in as Hooks.
@@ -13,19 +13,20 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .blocks import block_span
+from ..control.protocol import Control, ControlServer
+from ..control.table import class_index, preset, table_dict, updated_table
+from ..errors import ConfigError, CorruptionError, ImageIOError
+from ..format.blocks import block_span
+from ..format.params import load_params
+from ..format.roothash import root_digest
+from ..log import log
+from ..sources.remote import is_uri, open_source
+from ..trust.root import TrustedRoot, resolve_root
 from .cache import HashBlockCache
 from .config import ServerConfig, parse_size
-from .control import Control, ControlServer
-from .dispatch import Dispatcher, preset, table_dict, updated_table
-from .errors import ConfigError, CorruptionError, ImageIOError
-from .ioprio import class_index, connection_class
-from .log import log
-from .params import load_params
+from .dispatch import Dispatcher
+from .ioprio import connection_class
 from .readahead import Readahead
-from .remote import is_uri, open_source
-from .roothash import root_digest
-from .trust.root import TrustedRoot, resolve_root
 from .verifier import Verifier, VerifyOptions
 
 
@@ -146,7 +147,7 @@ def open_fec(config: ServerConfig, device: Device):
         if config.fec_roots != 2 or config.fec_offset:
             raise ConfigError("fec-roots, fec-offset: given without fec-device")
         return None
-    from .fec.served import ServedFec  # the codec only when FEC is configured
+    from ..fec.served import ServedFec  # the codec only when FEC is configured
     return ServedFec(device.params, device.data, device.hashes, device.hash_path,
                      config.fec_device, config.fec_roots, config.fec_offset)
 

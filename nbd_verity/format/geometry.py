@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import FormatError
-from .limits import HASH_OFFSET_ALIGN, MAX_LEVELS, MAX_OFFSET, block_size_problem
+from ..errors import FormatError
+from ..limits import HASH_OFFSET_ALIGN, MAX_LEVELS, MAX_OFFSET, block_size_problem
 from .superblock import SUPERBLOCK_SIZE
 
 

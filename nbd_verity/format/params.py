@@ -11,11 +11,11 @@ import os
 import uuid as uuidlib
 from dataclasses import dataclass, field, replace
 
+from ..errors import ConfigError, FormatError, ImageIOError, SuperblockError
+from ..limits import HASH_OFFSET_ALIGN, MAX_OFFSET, MAX_SALT_SIZE, block_size_problem
+from ..sources.source import ImageFile
 from .digest import Digester, normalize_algorithm
-from .errors import ConfigError, FormatError, ImageIOError, SuperblockError
 from .geometry import TreeGeometry, hash_start_block
-from .limits import HASH_OFFSET_ALIGN, MAX_OFFSET, MAX_SALT_SIZE, block_size_problem
-from .source import ImageFile
 from .superblock import SUPERBLOCK_SIZE, Superblock
 
 DEFAULT_SALT_SIZE = 32

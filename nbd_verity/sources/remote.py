@@ -28,7 +28,7 @@ import threading
 import time
 import urllib.parse
 
-from .errors import ConfigError, ImageIOError
+from ..errors import ConfigError, ImageIOError
 from .source import ImageFile
 
 URI_SCHEMES = ("nbd", "nbds", "nbd+unix", "nbds+unix")

@@ -21,7 +21,7 @@ wrong byte (prefetch caches only blocks verified against their parents).
 
 from __future__ import annotations
 
-from .blocks import block_span
+from ..format.blocks import block_span
 
 INITIAL_LEAVES = 2  # the first window of a sequential stream, beyond the request
 MAX_LEAVES = 64  # the largest window: 256 KiB of hash blocks, 32 MiB of data at 4K/SHA-256

@@ -34,10 +34,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .dispatch import INLINE, POOL
-from .errors import ConfigError
-from .ioprio import CLASSES
-from .limits import MAX_REQUEST_SIZE
+from ..errors import ConfigError
+from ..limits import MAX_REQUEST_SIZE
+from .table import CLASSES, INLINE, POOL
 
 SIZES = tuple(4096 << i for i in range(8))  # 4 KiB .. 512 KiB
 FORCE = {INLINE: MAX_REQUEST_SIZE, POOL: 0}  # the threshold that forces each mode

@@ -6,7 +6,7 @@ For format 1 the salted prefix is absorbed once and the state copied per block, 
 kernel does with its pre-salted initial state; hashlib releases the GIL while it hashes
 inputs of 2 KiB and more, so several threads hash blocks in parallel.
 
-Two engines compute the same bytes. The native one (nbd_verity._native, C on OpenSSL's
+Two engines compute the same bytes. The native one (nbd_verity.format._native, C on OpenSSL's
 EVP API) hashes a whole run of blocks in one call and releases the GIL once per run when
 the run is long enough to pay; it is used for every algorithm OpenSSL can compute. The
 pure-Python one (hashlib) is the reference, and the fallback: for an algorithm OpenSSL
@@ -19,8 +19,8 @@ import functools
 import hashlib
 import os
 
-from .errors import ConfigError
-from .limits import MAX_SALT_SIZE
+from ..errors import ConfigError
+from ..limits import MAX_SALT_SIZE
 
 PURE_ENV = "NBD_VERITY_PURE"  # set to 1 to force the pure-Python engine
 # Bytes from which a native run is hashed with the GIL released (default: the module's

@@ -435,7 +435,7 @@ PyDoc_STRVAR(Hasher_doc,
 
 static PyTypeObject HasherType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "nbd_verity._native.Hasher",
+    .tp_name = "nbd_verity.format._native.Hasher",
     .tp_basicsize = sizeof(Hasher),
     .tp_dealloc = (destructor)Hasher_dealloc,
     .tp_flags = Py_TPFLAGS_DEFAULT,
@@ -461,7 +461,7 @@ static PyMethodDef module_methods[] = {
 
 static struct PyModuleDef native_module = {
     PyModuleDef_HEAD_INIT,
-    .m_name = "nbd_verity._native",
+    .m_name = "nbd_verity.format._native",
     .m_doc = "Hot loops of dm-verity verification on OpenSSL's EVP API.",
     .m_size = -1,
     .m_methods = module_methods,

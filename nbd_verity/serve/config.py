@@ -12,18 +12,18 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
+from ..errors import ConfigError
+from ..format.digest import parse_salt
+from ..format.roothash import root_hash_text
+from ..logbound import DEFAULT_LOG_RATE
 from .cache import DEFAULT_CACHE_SIZE
-from .digest import parse_salt
-from .errors import ConfigError
-from .logbound import DEFAULT_LOG_RATE
-from .roothash import root_hash_text
 
 MODES = ("eio", "ignore-corruption", "restart-on-corruption")  # dm-verity's error modes
 
 READAHEAD_MIN_SIZE = 128 << 10  # a request this large triggers Merkle readahead
 # nbdkit thread models by name. SERIALIZE_REQUESTS is the default: requests of one
 # connection in order, connections in parallel (multi-conn is advertised). PARALLEL can be
-# aborted by a client on nbdkit 1.32.4-1.33.9 (nbd_verity/nbdkit_compat.py).
+# aborted by a client on nbdkit 1.32.4-1.33.9 (nbd_verity/serve/nbdkit_compat.py).
 THREAD_MODELS = ("serialize-requests", "serialize-all-requests", "parallel")
 
 _SUFFIXES = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -73,7 +73,7 @@ def absolute_file(key: str, text: str) -> str:
 def image_location(key: str, text: str) -> str:
     """An image: an NBD URI (nbd://, nbds://, nbd+unix://) as given, else a path made
     absolute."""
-    from .remote import check_uri, is_uri  # no libnbd import until a URI is opened
+    from ..sources.remote import check_uri, is_uri  # no libnbd import until a URI is opened
     return check_uri(key, text) if is_uri(text) else absolute_file(key, text)
 
 

@@ -15,21 +15,11 @@ import ctypes
 import os
 import platform
 
-from .errors import ConfigError
+from ..control.table import CLASSES, class_index
 
-CLASSES = ("none", "rt", "be", "idle")  # IOPRIO_CLASS_NONE, RT, BE, IDLE = 0..3
 IOPRIO_CLASS_SHIFT = 13
 IOPRIO_WHO_PROCESS = 1
 _SYS_IOPRIO_GET = {"x86_64": 252, "aarch64": 31, "i686": 290, "armv7l": 315}
-
-
-def class_index(name: str, key: str = "class") -> int:
-    """0..3 for a class name; ConfigError naming the key otherwise."""
-    try:
-        return CLASSES.index(name.strip().lower())
-    except ValueError:
-        raise ConfigError(f"{key}: unknown I/O class {name!r} (one of "
-                          f"{', '.join(CLASSES)})") from None
 
 
 def class_from_export_name(export_name: str) -> int | None:

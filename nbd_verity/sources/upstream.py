@@ -27,8 +27,8 @@ import tempfile
 import urllib.parse
 from dataclasses import dataclass
 
-from .errors import ConfigError
-from .launch import NBDKIT, START_TIMEOUT, Launched
+from ..errors import ConfigError
+from ..launch import NBDKIT, START_TIMEOUT, Launched
 
 REMOTE_SCHEMES = ("http", "https", "s3")
 # The retry filter's budget: 3 retries after 1, 2 and 4 s (7 s in all) keeps a request

@@ -24,16 +24,16 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
-from .blocks import split_request
+from ..errors import CorruptionError, DataCorruption, HashCorruption, ImageIOError
+from ..format.blocks import split_request
+from ..format.params import VerityParams
+from ..log import log
+from ..sources.source import ImageFile
 from .cache import HashBlockCache
-from .errors import CorruptionError, DataCorruption, HashCorruption, ImageIOError
-from .log import log
-from .params import VerityParams
-from .source import ImageFile
 from .tally import Tally
 
 if TYPE_CHECKING:
-    from .fec.served import ServedFec
+    from ..fec.served import ServedFec
 
 READ_FAILED = -2  # _native.READ_FAILED: read_verify's read failed; Python reads again
 

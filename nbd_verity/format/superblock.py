@@ -11,8 +11,8 @@ import struct
 import uuid as uuidlib
 from dataclasses import dataclass
 
-from .errors import SuperblockError
-from .limits import MAX_SALT_SIZE, block_size_ok
+from ..errors import SuperblockError
+from ..limits import MAX_SALT_SIZE, block_size_ok
 
 SIGNATURE = b"verity\x00\x00"
 SUPERBLOCK_SIZE = 512

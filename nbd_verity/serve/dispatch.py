@@ -1,4 +1,4 @@
-"""The threshold table and the inline-or-pool decision (after dm-verity's use_bh_bytes).
+"""The inline-or-pool decision (after dm-verity's use_bh_bytes) and the verification pool.
 
 Each I/O class has a byte threshold. A request no larger than its class's threshold is
 verified inline, in the nbdkit thread that received it: no hand-off, cheapest for small
@@ -10,8 +10,9 @@ the pool. The default is 1 MiB for every class (measured: docs/control.md); the 
 `seed` is the seed patch's 4096 for every class, and the preset `kernel` is what
 Linux 6.15 merged (8192, 8192, 8192, 0).
 
-The table is an immutable tuple replaced whole: readers take no lock, read it once per
-request, and a change applies from the next request on; none in flight is disturbed.
+The table (control/table.py: presets, checks, changes) is an immutable tuple replaced
+whole: readers take no lock, read it once per request, and a change applies from the next
+request on; none in flight is disturbed.
 """
 
 from __future__ import annotations
@@ -22,53 +23,16 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
-from .errors import ConfigError
-from .ioprio import CLASSES, class_index
-from .limits import MAX_REQUEST_SIZE
+from ..control.table import CLASSES, INLINE, POOL
 from .tally import Tally
 
 CHUNK_SIZE = 256 << 10  # bytes per pool task: measured best of 64K..256K (docs/control.md)
-PRESETS = {
-    "default": (1 << 20,) * 4,  # measured on the native engine (docs/control.md)
-    "seed": (4096, 4096, 4096, 4096),  # the seed use_bh_bytes patch
-    "kernel": (8192, 8192, 8192, 0),  # Linux 6.15 use_bh_bytes defaults
-}
-INLINE, POOL = "inline", "pool"
 LATENCY_SAMPLES = 4096  # recent latencies kept per class and path, for percentiles
 
 
 def decide(table: tuple[int, ...], io_class: int, length: int) -> str:
     """The pure decision: inline when the request fits its class's threshold."""
     return INLINE if length <= table[io_class] else POOL
-
-
-def check_threshold(name: str, value) -> int:
-    """A threshold value: an integer from 0 to MAX_REQUEST_SIZE (not a bool or float)."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"threshold {name}: {value!r} is not an integer")
-    if not 0 <= value <= MAX_REQUEST_SIZE:
-        raise ConfigError(f"threshold {name}: {value} is outside 0..{MAX_REQUEST_SIZE}")
-    return value
-
-
-def preset(name: str) -> tuple[int, ...]:
-    try:
-        return PRESETS[name]
-    except KeyError:
-        raise ConfigError(f"threshold-preset: unknown preset {name!r} (one of "
-                          f"{', '.join(PRESETS)})") from None
-
-
-def updated_table(table: tuple[int, ...], changes: dict) -> tuple[int, ...]:
-    """A new table with some classes changed; validates everything before changing any."""
-    new = list(table)
-    for name, value in changes.items():
-        new[class_index(str(name), "threshold")] = check_threshold(str(name), value)
-    return tuple(new)
-
-
-def table_dict(table: tuple[int, ...]) -> dict[str, int]:
-    return dict(zip(CLASSES, table, strict=True))
 
 
 class PathStats:

@@ -25,7 +25,7 @@ import mmap
 import os
 import stat
 
-from .errors import ImageIOError
+from ..errors import ImageIOError
 
 
 class ImageFile:

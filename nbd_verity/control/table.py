@@ -1,0 +1,58 @@
+"""The threshold table's words and rules: I/O classes, paths, presets, checked changes.
+
+The table holds one byte threshold per I/O class, in the kernel's class order
+(IOPRIO_CLASS_NONE, RT, BE, IDLE = 0..3); a request up to its class's threshold is
+verified inline, a larger one across the pool (the server's dispatch decides). The server's
+dispatch, the control socket and tune share these words; nothing here imports the server.
+"""
+
+from __future__ import annotations
+
+from ..errors import ConfigError
+from ..limits import MAX_REQUEST_SIZE
+
+CLASSES = ("none", "rt", "be", "idle")
+INLINE, POOL = "inline", "pool"  # the two paths a request can take
+PRESETS = {
+    "default": (1 << 20,) * 4,  # measured on the native engine (docs/control.md)
+    "seed": (4096, 4096, 4096, 4096),  # the seed use_bh_bytes patch
+    "kernel": (8192, 8192, 8192, 0),  # Linux 6.15 use_bh_bytes defaults
+}
+
+
+def class_index(name: str, key: str = "class") -> int:
+    """0..3 for a class name; ConfigError naming the key otherwise."""
+    try:
+        return CLASSES.index(name.strip().lower())
+    except ValueError:
+        raise ConfigError(f"{key}: unknown I/O class {name!r} (one of "
+                          f"{', '.join(CLASSES)})") from None
+
+
+def check_threshold(name: str, value) -> int:
+    """A threshold value: an integer from 0 to MAX_REQUEST_SIZE (not a bool or float)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"threshold {name}: {value!r} is not an integer")
+    if not 0 <= value <= MAX_REQUEST_SIZE:
+        raise ConfigError(f"threshold {name}: {value} is outside 0..{MAX_REQUEST_SIZE}")
+    return value
+
+
+def preset(name: str) -> tuple[int, ...]:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ConfigError(f"threshold-preset: unknown preset {name!r} (one of "
+                          f"{', '.join(PRESETS)})") from None
+
+
+def updated_table(table: tuple[int, ...], changes: dict) -> tuple[int, ...]:
+    """A new table with some classes changed; validates everything before changing any."""
+    new = list(table)
+    for name, value in changes.items():
+        new[class_index(str(name), "threshold")] = check_threshold(str(name), value)
+    return tuple(new)
+
+
+def table_dict(table: tuple[int, ...]) -> dict[str, int]:
+    return dict(zip(CLASSES, table, strict=True))
