@@ -64,6 +64,24 @@ def test_corrects_up_to_half_roots_errors(codec, roots):
         assert corrected == 24 * (roots // 2)
 
 
+@pytest.mark.parametrize("erasures, target, message", [
+    (list(range(256)), 0, "256 erasures, at most 255"),
+    ([3, 7, 3], 0, "erasure 3 is given twice"),
+    ([-1], 0, r"erasure -1 is outside 0\.\.246"),
+    ([-2], 0, r"erasure -2 is outside 0\.\.246"),
+    ([247], 0, r"erasure 247 is outside 0\.\.246"),
+    ([], -2, "target or parity length out of range"),
+])
+@pytest.mark.parametrize("codec", CODECS)
+def test_bad_erasure_lists_are_refused_not_dropped(codec, erasures, target, message):
+    """Both codecs refuse a list no caller should build instead of decoding with part
+    of it; -1 is a target (no row), never an erasure."""
+    encode, decode = codec
+    rows = rows_of(8, 4, 1)
+    with pytest.raises(ValueError, match=message):
+        decode(8, rows, encode(8, rows, 4), erasures, target)
+
+
 @pytest.mark.parametrize("roots", [2, 3, 8, 24])
 @pytest.mark.parametrize("codec", CODECS)
 def test_erasures_up_to_roots(codec, roots):
