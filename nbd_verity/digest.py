@@ -40,6 +40,8 @@ def _load_native():
 
 
 _native = _load_native()
+# read_verify's verdict when its read failed or ended early (the caller reads again).
+READ_FAILED = _native.READ_FAILED if _native is not None else None
 
 # veritysetup's algorithm names mapped to hashlib's, for those hashlib has.
 _HASHLIB_NAMES = {

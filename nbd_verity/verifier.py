@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from .blocks import split_request
 from .cache import HashBlockCache
+from .digest import READ_FAILED
 from .errors import CorruptionError, DataCorruption, HashCorruption, ImageIOError
 from .log import log
 from .params import VerityParams
@@ -34,8 +35,6 @@ from .tally import Tally
 
 if TYPE_CHECKING:
     from .fec.served import ServedFec
-
-READ_FAILED = -2  # _native.READ_FAILED: read_verify's read failed; Python reads again
 
 MAX_LOGGED_ERRORS = 100  # the kernel's DM_VERITY_MAX_CORRUPTED_ERRS
 

@@ -128,7 +128,6 @@ def test_read_verify_reports_a_short_read_and_a_bad_fd(tmp_path):
     finally:
         os.close(fd)
     assert hasher.read_verify(fd, bytearray(4096), 0, 4096, want) == _native.READ_FAILED
-    assert verifier.READ_FAILED == _native.READ_FAILED  # what the verifier checks for
     with pytest.raises(BufferError):
         hasher.read_verify(0, b"read-only buffer", 0, 16, want)
 
@@ -153,6 +152,30 @@ def test_openssl_names_and_unknown_algorithms():
         _native.Hasher("sha256", bytes(257), 1)
     with pytest.raises(ValueError, match="hash_type 2"):
         _native.Hasher("sha256", b"", 2)
+
+
+def test_a_failed_init_leaves_the_hasher_not_ready():
+    """Each refused __init__ sets nothing: the object still fails check_ready, and a
+    later good __init__ makes it whole."""
+    hasher = _native.Hasher.__new__(_native.Hasher)
+    for args in (("no-such-digest", b"", 1), ("sha256", bytes(257), 1), ("sha256", b"", 2)):
+        with pytest.raises(ValueError):
+            hasher.__init__(*args)
+        for call in (lambda: hasher.digest(b"x"), lambda: hasher.slots(bytes(512), 512),
+                     lambda: hasher.verify(bytes(512), 512, bytes(32))):
+            with pytest.raises(RuntimeError, match="Hasher is not initialised"):
+                call()
+        assert hasher.digest_size == 0
+    hasher.__init__("sha256", b"salt", 1)
+    assert hasher.digest(b"x") == Digester("sha256", b"salt", 1, engine="python").digest(b"x")
+    with pytest.raises(RuntimeError, match="already initialised"):
+        hasher.__init__("sha256", b"", 1)
+
+
+def test_module_constants():
+    assert _native.READ_FAILED == -2 and digest.READ_FAILED == _native.READ_FAILED
+    assert _native.DEFAULT_RELEASE_SIZE == 64 * 1024
+    assert _native.Hasher.__module__ == "nbd_verity._native"
 
 
 def test_engine_name_says_native_and_which_openssl():
