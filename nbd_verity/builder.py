@@ -302,7 +302,7 @@ class LevelCheck:
     """
 
     geo: TreeGeometry
-    digest_size: int
+    digester: Digester
     report: VerifyReport
     untrusted: bytearray  # one byte per block of this level, 1 = untrusted
     corruption: Callable[[int], CorruptionError]  # the error for a bad child, by index
@@ -323,11 +323,9 @@ class LevelCheck:
 
     def _compare_slots(self, first_child: int, ours: bytes, theirs: bytes) -> None:
         """Report each child whose digest differs from the one stored (padding aside)."""
-        size, step = self.digest_size, self.geo.slot_size
-        for at in range(0, len(ours), step):
-            if ours[at:at + size] != theirs[at:at + size]:
-                self._distrust(first_child + at // step, 1)
-                self.report.add(self.corruption(first_child + at // step))
+        for k in self.digester.differing_slots(ours, theirs):
+            self._distrust(first_child + k, 1)
+            self.report.add(self.corruption(first_child + k))
 
     def _distrust(self, first_child: int, count: int) -> None:
         if self.children_untrusted is not None:
@@ -361,13 +359,13 @@ def _verify(data: ImageFile, hashes: ImageFile, params: VerityParams, root: byte
     if untrusted[0]:
         report.add(HashCorruption(geo.level_start[top], top))
     for level in range(top, 0, -1):
-        check = LevelCheck(geo, digester.digest_size, report, untrusted,
+        check = LevelCheck(geo, digester, report, untrusted,
                            _hash_corruption(geo, level - 1),
                            bytearray(geo.level_blocks[level - 1]))
         walk_level(hashes, geo, level, level_slot_chunks(hashes, geo, level - 1, digester),
                    check)
         untrusted = check.children_untrusted
-    check = LevelCheck(geo, digester.digest_size, report, untrusted, DataCorruption)
+    check = LevelCheck(geo, digester, report, untrusted, DataCorruption)
     walk_level(hashes, geo, 0, data_slot_chunks(data, geo, digester, progress), check)
 
 

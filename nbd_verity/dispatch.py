@@ -120,7 +120,7 @@ class Dispatcher:
 
     def __init__(self, read_fn, block_size: int, table: tuple[int, ...],
                  workers: int = 0) -> None:
-        self._read = read_fn  # read_fn(buf, offset, release_gil=False) verifies in place
+        self._read = read_fn  # read_fn(buf, offset) verifies in place
         self.block_size = block_size
         self.table = table  # replaced whole, never mutated
         self.workers = workers or os.cpu_count() or 1
@@ -166,7 +166,7 @@ class Dispatcher:
         while pos < end:
             boundary = (pos // self.chunk_size + 1) * self.chunk_size
             stop = min(end, boundary)
-            futures.append(pool.submit(self._read, buf[pos - offset:stop - offset], pos, True))
+            futures.append(pool.submit(self._read, buf[pos - offset:stop - offset], pos))
             pos = stop
         error = None
         for future in futures:  # wait for every chunk before the buffer goes back

@@ -10,6 +10,7 @@ import pytest
 
 from nbd_verity.errors import SuperblockError
 from nbd_verity.limits import block_size_ok
+from nbd_verity.params import params_from_superblock
 from nbd_verity.superblock import SIGNATURE, SUPERBLOCK_SIZE, Superblock
 
 UUID = uuidlib.UUID("a60c98d2-ae9b-4865-bfcb-b4e3ace11033")
@@ -67,7 +68,7 @@ def test_unpack_ignores_bytes_past_512():
 
 
 def test_uuid_text():
-    assert sample().uuid_text == str(UUID)
+    assert params_from_superblock(sample()).uuid_text == str(UUID)
 
 
 @pytest.mark.parametrize(("offset", "fmt", "value", "message"), [
