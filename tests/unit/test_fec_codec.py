@@ -133,7 +133,9 @@ def test_geometry_of_spec_example():
     assert (geo.fec_blocks, geo.rsn, geo.rounds, geo.parity_blocks) == (775, 248, 4, 28)
     assert geo.dump_lines() == ["FEC RS roots:   \t7", "FEC blocks:     \t28"]
     assert geo.locate(5) == (1, 1) and list(geo.group(1))[:3] == [1, 5, 9]
-    assert geo.source_of(768) == ("hash", 1) and geo.source_of(775) is None
+    assert geo.source_run(760, 20) == ("data", 760, 8)
+    assert geo.source_run(768, 20) == ("hash", 1, 7)
+    assert geo.source_run(775, 20) == (None, 0, 20)
     assert geo.index_of_hash_block(7) == 774
     assert geo.parity_span(3) == (3 * 4096 * 7, 4096 * 7)
 
