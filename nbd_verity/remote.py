@@ -29,13 +29,13 @@ import time
 import urllib.parse
 
 from .errors import ConfigError, ImageIOError
+from .limits import MAX_REQUEST_SIZE
 from .source import ImageFile
 
 URI_SCHEMES = ("nbd", "nbds", "nbd+unix", "nbds+unix")
 DEFAULT_CONNECTIONS = 16  # pool bound with multi-conn: nbdkit's threads per client
 READ_TIMEOUT_S = 60.0  # a read taking longer is an error and its connection is dropped
 POLL_SLICE_MS = 1000  # libnbd poll timeout per wait, so the deadline is checked
-MAX_READ_SIZE = 32 << 20  # NBD servers (nbdkit included) refuse larger requests
 
 
 def is_uri(text: str) -> bool:
@@ -200,7 +200,7 @@ def _max_read_size(h) -> int:
         advertised = h.get_block_size(nbd.SIZE_MAXIMUM)
     except nbd.Error:
         advertised = 0
-    return min(advertised, MAX_READ_SIZE) if advertised > 0 else MAX_READ_SIZE
+    return min(advertised, MAX_REQUEST_SIZE) if advertised > 0 else MAX_REQUEST_SIZE
 
 
 def _is_dead(h) -> bool:

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from .blocks import split_request
 from .cache import HashBlockCache
+from .config import EIO, IGNORE_CORRUPTION
 from .digest import READ_FAILED
 from .errors import CorruptionError, DataCorruption, HashCorruption, ImageIOError
 from .log import log
@@ -43,7 +44,7 @@ MAX_LOGGED_ERRORS = 100  # the kernel's DM_VERITY_MAX_CORRUPTED_ERRS
 class VerifyOptions:
     """dm-verity's optional behaviours (the kernel's table arguments; docs/server.md)."""
 
-    mode: str = "eio"
+    mode: str = EIO
     ignore_zero_blocks: bool = False
     check_at_most_once: bool = False
 
@@ -464,6 +465,6 @@ class Verifier:
             log(str(error))
         if seen == MAX_LOGGED_ERRORS:
             log("reached maximum errors; further corruptions are counted, not logged")
-        if self.options.mode == "ignore-corruption":
+        if self.options.mode == IGNORE_CORRUPTION:
             return
         raise error

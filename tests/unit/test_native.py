@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nbd_verity import digest, verifier
+from nbd_verity import digest
 from nbd_verity.digest import Digester, engine_name, native_hasher, supported_algorithms
 
 _native = digest._native
