@@ -75,7 +75,8 @@ class Counters:
             row[self._INDEX[name]] += amount
 
     def verified(self, blocks: int) -> None:
-        """The hot path's one counter: data blocks that matched."""
+        """The hot path's one counter: data blocks that matched their trusted digest
+        (data_blocks_verified; a corrupt block counts in corruptions instead)."""
         self._tally.row()[0] += blocks
 
     def corruption(self) -> int:
@@ -339,29 +340,35 @@ class Verifier:
             done += run
 
     def _verify_blocks_one_by_one(self, mv: memoryview, first: int, count: int) -> None:
-        """The general path: zero blocks, check-at-most-once, recheck and errors."""
+        """The general path: zero blocks, check-at-most-once, recheck and errors. Only
+        blocks that matched their digest (as read, re-read or rebuilt) count as verified,
+        also those before a corruption that fails the request."""
         geo, d = self.geo, self.digester
         dbs = geo.data_block_size
         bitmap, zero = self._verified_bitmap, self.zero_digest
         leaves: dict[int, bytes] = {}  # the leaf of this run, fetched once
-        checked = 0
-        for i in range(count):
-            block = first + i
-            if bitmap is not None and bitmap[block >> 3] & (1 << (block & 7)):
-                continue
-            want = self._data_want(block, leaves)
-            piece = mv[i * dbs:(i + 1) * dbs]
-            if zero is not None and want == zero:
-                piece[:] = self._zero_block  # the kernel returns zeros without hashing
-                continue
-            checked += 1
-            if d.digest(piece) != want and not self._recheck(block, piece, want):
-                if not self._repair_data(block, piece, want):
-                    self._corruption(DataCorruption(block))
-                continue  # repaired: not marked checked, the block on disk is still bad
-            if bitmap is not None:
-                bitmap[block >> 3] |= 1 << (block & 7)
-        self.counters.verified(checked)
+        matched = 0
+        try:
+            for i in range(count):
+                block = first + i
+                if bitmap is not None and bitmap[block >> 3] & (1 << (block & 7)):
+                    continue
+                want = self._data_want(block, leaves)
+                piece = mv[i * dbs:(i + 1) * dbs]
+                if zero is not None and want == zero:
+                    piece[:] = self._zero_block  # the kernel returns zeros without hashing
+                    continue
+                if d.digest(piece) != want and not self._recheck(block, piece, want):
+                    if self._repair_data(block, piece, want):
+                        matched += 1  # not marked checked: the block on disk is still bad
+                    else:
+                        self._corruption(DataCorruption(block))  # counted there, not here
+                    continue
+                matched += 1
+                if bitmap is not None:
+                    bitmap[block >> 3] |= 1 << (block & 7)
+        finally:
+            self.counters.verified(matched)
 
     def _recheck(self, block: int, piece: memoryview, want: bytes) -> bool:
         """Re-read a mismatching block privately; if it now matches, use that copy. With
