@@ -11,8 +11,8 @@ corruptions and failed reads the window saw (the summary itself is never held ba
 
 Our lines are limited where they are written (synchronously: a line is out before the
 request's reply). nbdkit's are limited by a filter on file descriptor 2, installed in
-after_fork (research prototype log/stderr_filter.py): fd 2 becomes a pipe whose reader
-thread passes every other line through unchanged. The pipe's write end is non-blocking
+after_fork (BoundedLog below): fd 2 becomes a pipe whose reader thread passes every other
+line through unchanged. The pipe's write end is non-blocking
 because nbdkit writes to stderr while it holds the GIL (check_python_failure): a blocking
 write on a full pipe would deadlock against the reader, which needs the GIL; with 1 MiB of
 pipe a line is dropped only if the reader is that far behind. cleanup() puts the real

@@ -12,11 +12,9 @@ byte is served. What this module adds is the failure model of a network:
 - parallel requests use a pool of connections, each carrying one request at a time and
   opened only when requests overlap, up to DEFAULT_CONNECTIONS, but only if the upstream
   advertises multi-conn (NBD_FLAG_CAN_MULTI_CONN); otherwise one connection, which
-  requests take in turn. Measured with 8 threads of 64 KiB reads against an upstream
-  with 1 ms per read: 46, 96, 173 and 338 MB/s with 1, 2, 4 and 8 connections (one per
-  thread wins when reads wait); without the delay all sizes gave 740-910 MB/s (CPU
-  bound). So the bound is nbdkit's default of 16 threads per client: in effect a handle
-  per busy thread, without idle connections for idle threads.
+  requests take in turn. The bound is nbdkit's default of 16 threads per client: a handle
+  per busy thread, none for idle ones (docs/benchmarks.md, "Connections to an NBD
+  source", has the measurements).
 
 The pool's lock guards the idle list, the number of open connections and the counters;
 it is never held during I/O.

@@ -37,7 +37,8 @@ def test_native_codec_is_built():
 @pytest.mark.parametrize("roots", [2, 3, 8, 24])
 @pytest.mark.parametrize("codec", CODECS)
 def test_encode_matches_reedsolo(codec, roots):
-    """reedsolo with prim 0x11d, generator 2, fcr 0 is SPEC §3's checked oracle."""
+    """reedsolo with prim 0x11d, generator 2, fcr 0 is the code the kernel builds with
+    init_rs(8, 0x11d, 0, 1, roots) (nbd_verity/fec/_rs.c's header): the oracle."""
     encode, _ = codec
     reedsolo.init_tables(prim=0x11D, generator=2, c_exp=8)
     rows = rows_of(roots, 40, roots)
@@ -127,8 +128,8 @@ def params(blocks: int = 768, bs: int = 4096, **kw) -> VerityParams:
 
 
 def test_geometry_of_spec_example():
-    """SPEC §3: 768 data blocks and an 8-block hash file give fec_blocks 775; roots 7 gives
-    rsn 248, 4 rounds, 28 parity blocks (veritysetup: "FEC blocks: 28")."""
+    """768 data blocks and an 8-block hash file give fec_blocks 775; roots 7 gives rsn 248,
+    4 rounds, 28 parity blocks (veritysetup format --fec-roots 7: "FEC blocks: 28")."""
     geo = fec.FecGeometry.from_params(params(), 7, 8 * 4096)
     assert (geo.fec_blocks, geo.rsn, geo.rounds, geo.parity_blocks) == (775, 248, 4, 28)
     assert geo.dump_lines() == ["FEC RS roots:   \t7", "FEC blocks:     \t28"]
