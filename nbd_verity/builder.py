@@ -34,9 +34,9 @@ from .source import HashImageWriter, ImageFile
 from .superblock import SUPERBLOCK_SIZE
 
 SB_WRITE_BLOCK = 4096  # veritysetup's largest superblock write for a file (see below)
-CHUNK_SIZE = 8 << 20  # bytes of hash image per read when walking a level
+LEVEL_READ_SIZE = 8 << 20  # bytes of hash image per read when walking a level
 WINDOW_SIZE = 32 << 20  # bytes of data one worker maps and hashes at a time
-PIPE_SIZE = 1 << 20  # a worker's pipe holds the slots of a few windows
+WORKER_PIPE_SIZE = 1 << 20  # a worker's pipe holds the slots of a few windows
 Progress = Callable[[int], None]  # called with bytes of data just processed
 
 
@@ -118,7 +118,7 @@ def _fork_worker(reader: WindowReader, digester: Digester,
     (pid, the pipe to read them from)."""
     read_end, write_end = os.pipe()
     with contextlib.suppress(OSError):  # room for a few windows' slots: fewer stalls
-        fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, PIPE_SIZE)
+        fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, WORKER_PIPE_SIZE)
     pid = os.fork()
     if pid:
         os.close(write_end)
@@ -176,10 +176,10 @@ def pack_blocks(slots: bytes, geo: TreeGeometry) -> bytes:
 def level_slot_chunks(hashes: ImageFile, geo: TreeGeometry, level: int,
                       digester: Digester) -> Iterator[tuple[int, bytes]]:
     """Yield (first block, concatenated slots) for the blocks of one level, in order,
-    read CHUNK_SIZE bytes at a time: what the level above holds."""
+    read LEVEL_READ_SIZE bytes at a time: what the level above holds."""
     hbs = geo.hash_block_size
     total = geo.level_blocks[level]
-    per_read = max(1, CHUNK_SIZE // hbs)
+    per_read = max(1, LEVEL_READ_SIZE // hbs)
     for first in range(0, total, per_read):
         n = min(per_read, total - first)
         buf = hashes.read_exact(n * hbs, (geo.level_start[level] + first) * hbs)

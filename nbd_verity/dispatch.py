@@ -27,7 +27,7 @@ from .ioprio import CLASSES, class_index
 from .limits import MAX_REQUEST_SIZE
 from .tally import Tally
 
-CHUNK_SIZE = 256 << 10  # bytes per pool task: measured best of 64K..256K (docs/control.md)
+POOL_CHUNK_SIZE = 256 << 10  # bytes per pool task: measured best of 64K..256K (docs/control.md)
 PRESETS = {
     "default": (1 << 20,) * 4,  # measured on the native engine (docs/control.md)
     "seed": (4096, 4096, 4096, 4096),  # the seed use_bh_bytes patch
@@ -124,7 +124,7 @@ class Dispatcher:
         self.block_size = block_size
         self.table = table  # replaced whole, never mutated
         self.workers = workers or os.cpu_count() or 1
-        self.chunk_size = max(block_size, CHUNK_SIZE - CHUNK_SIZE % block_size)
+        self.chunk_size = max(block_size, POOL_CHUNK_SIZE - POOL_CHUNK_SIZE % block_size)
         self.stats = PathStats()
         self._pool: ThreadPoolExecutor | None = None
         self._start_lock = threading.Lock()
