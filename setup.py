@@ -11,7 +11,7 @@ from setuptools import Extension, setup
 setup(ext_modules=[
     Extension("nbd_verity.format._native", ["nbd_verity/format/_native.c"],
               libraries=["crypto"],
-              extra_compile_args=["-O2", "-Wall"], optional=True),
+              extra_compile_args=["-O2", "-Wall", "-Wextra"], optional=True),
     Extension("nbd_verity.fec._rs", ["nbd_verity/fec/_rs.c"], optional=True,
-              extra_compile_args=["-O3", "-std=c11", "-Wall"]),
+              extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wextra"]),
 ])

@@ -11,8 +11,8 @@ corruptions and failed reads the window saw (the summary itself is never held ba
 
 Our lines are limited where they are written (synchronously: a line is out before the
 request's reply). nbdkit's are limited by a filter on file descriptor 2, installed in
-after_fork (research prototype log/stderr_filter.py): fd 2 becomes a pipe whose reader
-thread passes every other line through unchanged. The pipe's write end is non-blocking
+after_fork (BoundedLog below): fd 2 becomes a pipe whose reader thread passes every other
+line through unchanged. The pipe's write end is non-blocking
 because nbdkit writes to stderr while it holds the GIL (check_python_failure): a blocking
 write on a full pipe would deadlock against the reader, which needs the GIL; with 1 MiB of
 pipe a line is dropped only if the reader is that far behind. cleanup() puts the real
@@ -33,8 +33,8 @@ from collections.abc import Callable
 
 WINDOW_S = 60.0
 DEFAULT_LOG_RATE = 120  # lines a minute: room for the kernel's 100 corruption lines
-PIPE_SIZE = 1 << 20
-MAX_LINE = 8192  # longer lines are cut (a single line cannot hold the reader's memory)
+STDERR_PIPE_SIZE = 1 << 20  # the pipe that stands in for fd 2 (see above)
+MAX_LOG_LINE = 8192  # longer lines are cut (a single line cannot hold the reader's memory)
 # nbdkit's error lines: a failed callback ("nbdkit: python[3]: error: SCRIPT: pread: error:
 # ...") and a client gone mid-request ("nbdkit: python[4]: error: write reply: ...: Broken
 # pipe"), one per request. Its other lines (debug with -v, start-up) are not limited.
@@ -119,7 +119,7 @@ class BoundedLog:
         fcntl.fcntl(write_fd, fcntl.F_SETFL, fcntl.fcntl(write_fd, fcntl.F_GETFL)
                     | os.O_NONBLOCK)
         with contextlib.suppress(OSError):  # F_SETPIPE_SZ may exceed pipe-max-size
-            fcntl.fcntl(read_fd, fcntl.F_SETPIPE_SZ, PIPE_SIZE)
+            fcntl.fcntl(read_fd, fcntl.F_SETPIPE_SZ, STDERR_PIPE_SIZE)
         os.dup2(write_fd, 2)
         os.close(write_fd)
         self._read_fd = read_fd
@@ -148,11 +148,11 @@ class BoundedLog:
                 break
             pending += chunk
             *lines, pending = pending.split(b"\n")
-            if len(pending) > MAX_LINE:
-                lines.append(pending[:MAX_LINE])
+            if len(pending) > MAX_LOG_LINE:
+                lines.append(pending[:MAX_LOG_LINE])
                 pending = b""
             for line in lines:
-                held_line = self._forward(line[:MAX_LINE], held_line)
+                held_line = self._forward(line[:MAX_LOG_LINE], held_line)
         os.close(self._read_fd)
         if pending:
             self._forward(pending, held_line)

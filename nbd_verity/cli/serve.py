@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import click
 
+from ..serve.config import IGNORE_CORRUPTION, PARALLEL, RESTART_ON_CORRUPTION, THREAD_MODELS
 from .common import edge, fec_options, image_arguments
 
 
@@ -51,7 +52,7 @@ from .common import edge, fec_options, image_arguments
               help="One request in Python at a time (thread model serialize-all-requests), "
                    "or nbdkit's parallel model (a client can abort nbdkit < 1.34).")
 @click.option("--thread-model", default=None,
-              type=click.Choice(["serialize-requests", "serialize-all-requests", "parallel"]),
+              type=click.Choice(THREAD_MODELS),
               help="nbdkit thread model (default serialize-requests).")
 @click.option("--log-rate", type=click.IntRange(0), default=None, metavar="LINES",
               help="Log lines a minute before a summary (default 120; 0: no limit).")
@@ -75,15 +76,15 @@ def serve_cmd(ignore_corruption, restart_on_corruption, unix, port, bind, thread
     if ignore_corruption and restart_on_corruption:
         raise click.UsageError("--ignore-corruption and --restart-on-corruption conflict")
     if options.get("serialize") is False:  # --parallel: nbdkit's parallel thread model
-        if options.get("thread_model") not in (None, "parallel"):
+        if options.get("thread_model") not in (None, PARALLEL):
             raise click.UsageError("--parallel conflicts with --thread-model")
-        options["serialize"], options["thread_model"] = None, "parallel"
+        options["serialize"], options["thread_model"] = None, PARALLEL
     check_listen({"unix": unix, "port": port})
     _remote_sidecars(options)
     images = {role: options[role] for role in ("data", "hash_image") if options[role]}
     options.update(attach(images, UpstreamOptions(upstream_cache, upstream_cache_size)))
-    options["error_mode"] = ("ignore-corruption" if ignore_corruption else
-                             "restart-on-corruption" if restart_on_corruption else None)
+    options["error_mode"] = (IGNORE_CORRUPTION if ignore_corruption else
+                             RESTART_ON_CORRUPTION if restart_on_corruption else None)
     exec_server(plugin_pairs(options),
                 {"unix": unix, "port": port, "bind": bind, "threads": threads,
                  "pid_file": pid_file, "exit_with_parent": exit_with_parent,

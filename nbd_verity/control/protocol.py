@@ -31,7 +31,7 @@ import time
 
 from ..errors import ConfigError, VerityError
 
-MAX_LINE = 64 << 10  # bytes of one request line
+MAX_REQUEST_LINE = 64 << 10  # bytes of one request line
 MAX_DEPTH = 16  # JSON nesting of a request (requests need 2)
 MAX_CLIENTS = 64  # connected at once; the longest idle one makes room for a new one
 MAX_PENDING_REPLY = 1 << 20  # bytes of replies a client may leave unread
@@ -218,7 +218,7 @@ class ControlServer:
     socket and buffers, so there is no per-client thread to run out of. A client that
     sends nothing for IDLE_TIMEOUT seconds is closed, and when MAX_CLIENTS are connected
     the longest idle one is closed to make room: a new client is always served, however
-    many idle ones sit on the socket. A line over MAX_LINE gets an error reply and the
+    many idle ones sit on the socket. A line over MAX_REQUEST_LINE gets an error reply and the
     connection is closed; so is a client that leaves MAX_PENDING_REPLY bytes of replies
     unread. Requests are answered in order, each one completely before the next."""
 
@@ -308,7 +308,8 @@ class ControlServer:
                 client.pending += data
             for line in client.take_lines():
                 if line is None:
-                    client.reply({"ok": False, "error": f"line longer than {MAX_LINE} bytes"})
+                    client.reply({"ok": False,
+                                  "error": f"line longer than {MAX_REQUEST_LINE} bytes"})
                     client.closing = True
                     break
                 client.reply(self.control.handle_line(line))
@@ -348,12 +349,12 @@ class _Client:
         unterminated last line counts too."""
         while b"\n" in self.pending:
             line, self.pending = self.pending.split(b"\n", 1)
-            if len(line) > MAX_LINE:
+            if len(line) > MAX_REQUEST_LINE:
                 yield None
                 return
             if line.strip():
                 yield line
-        if len(self.pending) > MAX_LINE:
+        if len(self.pending) > MAX_REQUEST_LINE:
             yield None
             return
         if self.eof and self.pending.strip():

@@ -40,7 +40,6 @@ from .table import CLASSES, INLINE, POOL
 
 SIZES = tuple(4096 << i for i in range(8))  # 4 KiB .. 512 KiB
 FORCE = {INLINE: MAX_REQUEST_SIZE, POOL: 0}  # the threshold that forces each mode
-CACHE_STEP = 32 << 20  # NBD_CMD_CACHE / warm-up reads per request (the server's maximum)
 
 
 @dataclass(frozen=True)
@@ -162,8 +161,8 @@ class Clients:
         """Verify and cache the span's hash blocks (NBD_CMD_CACHE), then read it once so
         its data is in the page cache: every point starts equally warm."""
         h = self.handles[0]
-        for offset in range(0, self.span, CACHE_STEP):
-            n = min(CACHE_STEP, self.span - offset)
+        for offset in range(0, self.span, MAX_REQUEST_SIZE):  # the server's largest request
+            n = min(MAX_REQUEST_SIZE, self.span - offset)
             if h.can_cache():
                 h.cache(n, offset)
             h.pread(n, offset)

@@ -349,18 +349,32 @@ static PyObject *rs_decode(PyObject *Py_UNUSED(self), PyObject *args)
     PyObject *fast = check_roots(roots) < 0 ? NULL : PySequence_Fast(erasures, "rs: erasures");
     if (!fast)
         goto out_parity;
-    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(fast) && neras < NN; i++) {
+    /* Every erasure is refused rather than dropped: a list longer than a codeword, a
+     * position outside the message, or one given twice (which would double its root in
+     * the erasure locator) is the caller's mistake. */
+    if (PySequence_Fast_GET_SIZE(fast) > NN) {
+        PyErr_Format(PyExc_ValueError, "rs: %zd erasures, at most %d",
+                     PySequence_Fast_GET_SIZE(fast), NN);
+        Py_DECREF(fast);
+        goto out_parity;
+    }
+    uint8_t seen[NN] = {0};
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(fast); i++) {
         long p = PyLong_AsLong(PySequence_Fast_GET_ITEM(fast, i));
-        if (p < 0 || p >= rsn) {
-            if (!PyErr_Occurred())
+        int outside = p < 0 || p >= rsn;
+        if (outside || seen[p]) {
+            if (!PyErr_Occurred() && outside)
                 PyErr_Format(PyExc_ValueError, "rs: erasure %ld is outside 0..%d", p, rsn - 1);
+            else if (!PyErr_Occurred())
+                PyErr_Format(PyExc_ValueError, "rs: erasure %ld is given twice", p);
             Py_DECREF(fast);
             goto out_parity;
         }
+        seen[p] = 1;
         eras[neras++] = (int)p;
     }
     Py_DECREF(fast);
-    if (target >= rsn || parity.len != width * roots) {
+    if (target < -1 || target >= rsn || parity.len != width * roots) {
         PyErr_SetString(PyExc_ValueError, "rs: target or parity length out of range");
         goto out_parity;
     }

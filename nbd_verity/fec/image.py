@@ -174,7 +174,7 @@ def _rebuild_bad_blocks(report: FecVerifyReport, params: VerityParams, root: byt
     rebuilt: dict[int, bytes] = {}  # hash block -> its rebuilt content
     for index, (kind, block) in sorted(bad.items(), key=lambda kv: (kv[1][0] == "data",
                                                                     kv[1][1])):
-        want = _wanted_digest(kind, block, tree, digester.digest_size, root, rebuilt, hashes)
+        want = _wanted_digest(kind, block, tree, digester, root, rebuilt, hashes)
         fixed = repairer.repair(index, lambda b, want=want: digester.digest(b) == want,
                                 lambda i, _b: i in bad)
         if fixed is None:
@@ -185,7 +185,7 @@ def _rebuild_bad_blocks(report: FecVerifyReport, params: VerityParams, root: byt
             rebuilt[block] = fixed
 
 
-def _wanted_digest(kind: str, block: int, tree, digest_size: int, root: bytes,
+def _wanted_digest(kind: str, block: int, tree, digester, root: bytes,
                    rebuilt: dict[int, bytes], hashes: ImageFile) -> bytes:
     """The digest a block must have: its slot in the parent (rebuilt or on disk), or the
     root hash for the top block."""
@@ -198,5 +198,5 @@ def _wanted_digest(kind: str, block: int, tree, digest_size: int, root: bytes,
         level, child = level + 1, index
     parent, offset = tree.slot_of(level, child)
     if parent in rebuilt:
-        return rebuilt[parent][offset:offset + digest_size]
-    return bytes(hashes.read(digest_size, parent * tree.hash_block_size + offset))
+        return digester.stored(rebuilt[parent], offset)
+    return bytes(hashes.read(digester.digest_size, parent * tree.hash_block_size + offset))

@@ -120,14 +120,16 @@ class FecGeometry:
         + data_blocks)."""
         return hash_block - self.hash_start_block + self.data_blocks
 
-    def source_of(self, index: int) -> tuple[str, int] | None:
-        """("data", block) or ("hash", absolute hash block) of a message block; None for
-        the zero blocks past fec_blocks."""
-        if index < self.data_blocks:
-            return "data", index
-        if index < self.fec_blocks:
-            return "hash", self.hash_start_block + index - self.data_blocks
-        return None
+    def source_run(self, first: int, count: int) -> tuple[str | None, int, int]:
+        """Where the message blocks from first lie, as far as one source goes (at most
+        count): ("data", data block, n), ("hash", absolute hash block, n), or
+        (None, 0, n) for zero blocks past fec_blocks."""
+        if first < self.data_blocks:
+            return "data", first, min(count, self.data_blocks - first)
+        if first < self.fec_blocks:
+            return ("hash", self.hash_start_block + first - self.data_blocks,
+                    min(count, self.fec_blocks - first))
+        return None, 0, count
 
     def parity_span(self, round_index: int) -> tuple[int, int]:
         """(byte offset on the FEC device, size) of one group's parity."""
@@ -147,20 +149,15 @@ class MessageReader:
 
     def read_into(self, first: int, buf: memoryview) -> None:
         """Fill buf with the message blocks from first on (len(buf) is whole blocks)."""
-        geo, bs = self.geo, self.geo.block_size
+        bs = self.geo.block_size
         pos, end = first, first + len(buf) // bs
         while pos < end:
-            out = buf[(pos - first) * bs:]
-            if pos < geo.data_blocks:
-                n = min(end, geo.data_blocks) - pos
-                self.data.read_into(out[:n * bs], pos * bs)
-            elif pos < geo.fec_blocks:
-                n = min(end, geo.fec_blocks) - pos
-                hash_block = geo.hash_start_block + pos - geo.data_blocks
-                self.hash.read_into(out[:n * bs], hash_block * bs)
+            kind, block, n = self.geo.source_run(pos, end - pos)
+            out = buf[(pos - first) * bs:(pos - first + n) * bs]
+            if kind is None:
+                out[:] = bytes(n * bs)
             else:
-                n = end - pos
-                out[:n * bs] = bytes(n * bs)
+                (self.data if kind == "data" else self.hash).read_into(out, block * bs)
             pos += n
 
     def block(self, index: int) -> bytes | None:

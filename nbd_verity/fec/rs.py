@@ -142,12 +142,29 @@ def _eval(poly: Sequence[int], x: int) -> int:
     return acc
 
 
+def check_erasures(erasures: Sequence[int], rsn: int, target: int) -> None:
+    """Refuse what _rs.decode refuses, with its messages: more erasures than a codeword
+    has symbols, one outside the message, one given twice, a target below -1."""
+    if len(erasures) > NN:
+        raise ValueError(f"rs: {len(erasures)} erasures, at most {NN}")
+    seen = set()
+    for pos in erasures:
+        if not 0 <= pos < rsn:
+            raise ValueError(f"rs: erasure {pos} is outside 0..{rsn - 1}")
+        if pos in seen:
+            raise ValueError(f"rs: erasure {pos} is given twice")
+        seen.add(pos)
+    if not -1 <= target < rsn:
+        raise ValueError("rs: target or parity length out of range")
+
+
 def py_decode(roots: int, rows: Sequence, parity: bytes, erasures: Sequence[int],
               target: int) -> tuple[int, int, bytes | None]:
     """Decode every column; the syndromes are computed a row at a time first, and only
     columns with a non-zero syndrome are decoded one by one."""
     width = len(parity) // roots
     rsn = NN - roots
+    check_erasures(erasures, rsn, target)
     cols = [bytes(r[:width]) for r in rows] + [bytes(parity[j::roots]) for j in range(roots)]
     dirty = 0
     for i in range(roots):

@@ -1,4 +1,4 @@
-/* nbd_verity._native: the hot loops of verification on OpenSSL's EVP API.
+/* nbd_verity.format._native: the hot loops of verification on OpenSSL's EVP API.
  *
  * Python decides which blocks, which leaf and what an error means; this module only
  * touches every byte: the salted digests of a run of data blocks, their comparison with
@@ -27,6 +27,7 @@
 #define MAX_SALT_SIZE 256
 #define READ_FAILED (-2)     /* read_verify: the read failed or ended early */
 #define DIGEST_FAILED (-3)   /* an EVP call failed (out of memory, provider error) */
+#define RAISED (-4)          /* verify_buffer: a Python exception is set */
 /* Runs of at least this many bytes are hashed with the GIL released. Measured under nbdkit
  * (bench/native_gil.py: fio, 8 jobs x QD1 random reads, 2 cores, MB/s median of 3-4
  * rounds, GIL always released vs never): 4 KiB 37 vs 41, 16 KiB 133 vs 138, 32 KiB 249
@@ -128,6 +129,8 @@ static PyObject *digest_error(void)
 
 /* -- the Hasher type ------------------------------------------------------------------ */
 
+/* Validate every argument and build the digest state in locals; only a call that
+ * succeeds sets the object, so a failed __init__ leaves it not ready (check_ready). */
 static int Hasher_init(Hasher *self, PyObject *args, PyObject *kwargs)
 {
     static char *keywords[] = {"algorithm", "salt", "hash_type", NULL};
@@ -137,10 +140,13 @@ static int Hasher_init(Hasher *self, PyObject *args, PyObject *kwargs)
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "sy*i", keywords, &name, &salt, &hash_type))
         return -1;
     int ok = -1;
+    EVP_MD *fetched = NULL;
+    EVP_MD_CTX *base = NULL;
     if (self->base != NULL) {
         PyErr_SetString(PyExc_RuntimeError, "Hasher is already initialised");
         goto done;
     }
+    /* Python validates the parameters once (params.py); these guard this type's memory. */
     if (hash_type != 0 && hash_type != 1) {
         PyErr_Format(PyExc_ValueError, "hash_type %d: not 0 or 1", hash_type);
         goto done;
@@ -149,28 +155,33 @@ static int Hasher_init(Hasher *self, PyObject *args, PyObject *kwargs)
         PyErr_Format(PyExc_ValueError, "salt of %zd bytes exceeds %d", salt.len, MAX_SALT_SIZE);
         goto done;
     }
-    self->fetched = EVP_MD_fetch(NULL, name, NULL);
-    self->base = EVP_MD_CTX_new();
+    fetched = EVP_MD_fetch(NULL, name, NULL);
+    base = EVP_MD_CTX_new();
     /* An algorithm OpenSSL names but cannot run (for example one that needs the legacy
      * provider) fails here, at construction, so Python can fall back to hashlib. */
-    if (self->fetched == NULL || self->base == NULL ||
-        !EVP_DigestInit_ex(self->base, self->fetched, NULL) ||
-        EVP_MD_get_size(self->fetched) <= 0 || EVP_MD_get_size(self->fetched) > EVP_MAX_MD_SIZE) {
+    if (fetched == NULL || base == NULL || !EVP_DigestInit_ex(base, fetched, NULL) ||
+        EVP_MD_get_size(fetched) <= 0 || EVP_MD_get_size(fetched) > EVP_MAX_MD_SIZE) {
         PyErr_Format(PyExc_ValueError, "OpenSSL has no usable digest %s", name);
+        goto done;
+    }
+    if (hash_type == 1 && salt.len > 0 && !EVP_DigestUpdate(base, salt.buf, (size_t)salt.len)) {
+        digest_error();
         goto done;
     }
     memcpy(self->salt, salt.buf, (size_t)salt.len);
     self->salt_size = salt.len;
     self->hash_type = hash_type;
-    self->digest_size = EVP_MD_get_size(self->fetched);
+    self->digest_size = EVP_MD_get_size(fetched);
     self->slot_size = hash_type == 1 ? next_pow2(self->digest_size) : self->digest_size;
     self->release_size = DEFAULT_RELEASE_SIZE;
-    if (hash_type == 1 && salt.len > 0 && !EVP_DigestUpdate(self->base, salt.buf, (size_t)salt.len)) {
-        digest_error();
-        goto done;
-    }
+    self->fetched = fetched;  /* the object owns them from here */
+    self->base = base;
+    fetched = NULL;
+    base = NULL;
     ok = 0;
 done:
+    EVP_MD_CTX_free(base);
+    EVP_MD_free(fetched);
     PyBuffer_Release(&salt);
     return ok;
 }
@@ -282,17 +293,17 @@ done:
     return out;
 }
 
-/* Verify a run held in memory; returns the verdict or raises (NULL result, -4). */
+/* Verify a run held in memory; returns the verdict, or RAISED with an exception set. */
 static Py_ssize_t verify_buffer(Hasher *self, const Py_buffer *buf, Py_ssize_t block_size,
                                 const Py_buffer *expected)
 {
     Py_ssize_t blocks = run_blocks(self, buf->len, block_size, expected, 1);
     if (blocks < 0)
-        return -4;
+        return RAISED;
     EVP_MD_CTX *ctx = EVP_MD_CTX_new();
     if (ctx == NULL) {
         PyErr_NoMemory();
-        return -4;
+        return RAISED;
     }
     Py_ssize_t verdict;
     if (buf->len >= self->release_size) {
@@ -305,7 +316,7 @@ static Py_ssize_t verify_buffer(Hasher *self, const Py_buffer *buf, Py_ssize_t b
     EVP_MD_CTX_free(ctx);
     if (verdict == DIGEST_FAILED) {
         digest_error();
-        return -4;
+        return RAISED;
     }
     return verdict;
 }
@@ -331,7 +342,7 @@ static PyObject *Hasher_verify(Hasher *self, PyObject *const *args, Py_ssize_t n
     Py_ssize_t verdict = verify_buffer(self, &buf, block_size, &expected);
     PyBuffer_Release(&expected);
     PyBuffer_Release(&buf);
-    return verdict == -4 ? NULL : PyLong_FromSsize_t(verdict);
+    return verdict == RAISED ? NULL : PyLong_FromSsize_t(verdict);
 }
 
 PyDoc_STRVAR(read_verify_doc,
@@ -448,7 +459,7 @@ static PyTypeObject HasherType = {
 
 /* -- the module ----------------------------------------------------------------------- */
 
-static PyObject *openssl_version(PyObject *module, PyObject *unused)
+static PyObject *openssl_version(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(unused))
 {
     return PyUnicode_FromString(OpenSSL_version(OPENSSL_VERSION));
 }
@@ -469,16 +480,13 @@ static struct PyModuleDef native_module = {
 
 PyMODINIT_FUNC PyInit__native(void)
 {
-    if (PyType_Ready(&HasherType) < 0)
-        return NULL;
     PyObject *m = PyModule_Create(&native_module);
     if (m == NULL)
         return NULL;
-    Py_INCREF(&HasherType);
-    if (PyModule_AddObject(m, "Hasher", (PyObject *)&HasherType) < 0 ||
+    /* PyModule_AddType readies the type and takes its own reference only on success. */
+    if (PyModule_AddType(m, &HasherType) < 0 ||
         PyModule_AddIntConstant(m, "READ_FAILED", READ_FAILED) < 0 ||
         PyModule_AddIntConstant(m, "DEFAULT_RELEASE_SIZE", DEFAULT_RELEASE_SIZE) < 0) {
-        Py_DECREF(&HasherType);
         Py_DECREF(m);
         return NULL;
     }

@@ -34,9 +34,9 @@ from .params import VerityParams
 from .superblock import SUPERBLOCK_SIZE
 
 SB_WRITE_BLOCK = 4096  # veritysetup's largest superblock write for a file (see below)
-CHUNK_SIZE = 8 << 20  # bytes of hash image per read when walking a level
+LEVEL_READ_SIZE = 8 << 20  # bytes of hash image per read when walking a level
 WINDOW_SIZE = 32 << 20  # bytes of data one worker maps and hashes at a time
-PIPE_SIZE = 1 << 20  # a worker's pipe holds the slots of a few windows
+WORKER_PIPE_SIZE = 1 << 20  # a worker's pipe holds the slots of a few windows
 Progress = Callable[[int], None]  # called with bytes of data just processed
 
 
@@ -118,7 +118,7 @@ def _fork_worker(reader: WindowReader, digester: Digester,
     (pid, the pipe to read them from)."""
     read_end, write_end = os.pipe()
     with contextlib.suppress(OSError):  # room for a few windows' slots: fewer stalls
-        fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, PIPE_SIZE)
+        fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, WORKER_PIPE_SIZE)
     pid = os.fork()
     if pid:
         os.close(write_end)
@@ -176,10 +176,10 @@ def pack_blocks(slots: bytes, geo: TreeGeometry) -> bytes:
 def level_slot_chunks(hashes: ImageFile, geo: TreeGeometry, level: int,
                       digester: Digester) -> Iterator[tuple[int, bytes]]:
     """Yield (first block, concatenated slots) for the blocks of one level, in order,
-    read CHUNK_SIZE bytes at a time: what the level above holds."""
+    read LEVEL_READ_SIZE bytes at a time: what the level above holds."""
     hbs = geo.hash_block_size
     total = geo.level_blocks[level]
-    per_read = max(1, CHUNK_SIZE // hbs)
+    per_read = max(1, LEVEL_READ_SIZE // hbs)
     for first in range(0, total, per_read):
         n = min(per_read, total - first)
         buf = hashes.read_exact(n * hbs, (geo.level_start[level] + first) * hbs)
@@ -302,7 +302,7 @@ class LevelCheck:
     """
 
     geo: TreeGeometry
-    digest_size: int
+    digester: Digester
     report: VerifyReport
     untrusted: bytearray  # one byte per block of this level, 1 = untrusted
     corruption: Callable[[int], CorruptionError]  # the error for a bad child, by index
@@ -323,11 +323,9 @@ class LevelCheck:
 
     def _compare_slots(self, first_child: int, ours: bytes, theirs: bytes) -> None:
         """Report each child whose digest differs from the one stored (padding aside)."""
-        size, step = self.digest_size, self.geo.slot_size
-        for at in range(0, len(ours), step):
-            if ours[at:at + size] != theirs[at:at + size]:
-                self._distrust(first_child + at // step, 1)
-                self.report.add(self.corruption(first_child + at // step))
+        for k in self.digester.differing_slots(ours, theirs):
+            self._distrust(first_child + k, 1)
+            self.report.add(self.corruption(first_child + k))
 
     def _distrust(self, first_child: int, count: int) -> None:
         if self.children_untrusted is not None:
@@ -361,13 +359,13 @@ def _verify(data: ImageFile, hashes: ImageFile, params: VerityParams, root: byte
     if untrusted[0]:
         report.add(HashCorruption(geo.level_start[top], top))
     for level in range(top, 0, -1):
-        check = LevelCheck(geo, digester.digest_size, report, untrusted,
+        check = LevelCheck(geo, digester, report, untrusted,
                            _hash_corruption(geo, level - 1),
                            bytearray(geo.level_blocks[level - 1]))
         walk_level(hashes, geo, level, level_slot_chunks(hashes, geo, level - 1, digester),
                    check)
         untrusted = check.children_untrusted
-    check = LevelCheck(geo, digester.digest_size, report, untrusted, DataCorruption)
+    check = LevelCheck(geo, digester, report, untrusted, DataCorruption)
     walk_level(hashes, geo, 0, data_slot_chunks(data, geo, digester, progress), check)
 
 

@@ -20,12 +20,15 @@ import hashlib
 import os
 
 from ..errors import ConfigError
-from ..limits import MAX_SALT_SIZE
+from ..limits import salt_size_problem
 
 PURE_ENV = "NBD_VERITY_PURE"  # set to 1 to force the pure-Python engine
-# Bytes from which a native run is hashed with the GIL released (default: the module's
-# DEFAULT_RELEASE_SIZE); for measuring that threshold (bench/native_gil.py), not a setting.
+# Bytes from which a run is hashed with the GIL released (default: DEFAULT_RELEASE_SIZE);
+# for measuring that threshold (bench/native_gil.py), not a setting.
 RELEASE_ENV = "NBD_VERITY_RELEASE_SIZE"
+# Runs of at least this many bytes are hashed with the GIL released, by either engine:
+# _native.c's DEFAULT_RELEASE_SIZE, where the measurement is written down.
+DEFAULT_RELEASE_SIZE = 64 << 10
 
 
 def _load_native():
@@ -40,6 +43,8 @@ def _load_native():
 
 
 _native = _load_native()
+# read_verify's verdict when its read failed or ended early (the caller reads again).
+READ_FAILED = _native.READ_FAILED if _native is not None else None
 
 # veritysetup's algorithm names mapped to hashlib's, for those hashlib has.
 _HASHLIB_NAMES = {
@@ -113,8 +118,9 @@ def parse_salt(text: str) -> bytes:
         salt = bytes.fromhex(text)
     except ValueError:
         raise ConfigError(f"salt: {text!r} is not a hex string") from None
-    if len(salt) > MAX_SALT_SIZE:
-        raise ConfigError(f"salt: {len(salt)} bytes exceeds the maximum of {MAX_SALT_SIZE}")
+    problem = salt_size_problem(len(salt))
+    if problem:
+        raise ConfigError(problem)
     return salt
 
 
@@ -130,13 +136,16 @@ class Digester:
     Hasher's own (bound once here, so a call costs no Python frame); the verifier's hot
     path calls `native.read_verify` directly. Without it, `native` is None and the
     methods below run on hashlib. engine="python" asks for hashlib whatever is built
-    (the equality tests compare the two in one process)."""
+    (the equality tests compare the two in one process).
+
+    The parameters are those VerityParams.check() accepted: the one place that validates
+    them (hash type, salt size; the algorithm is only mapped to hashlib's name here).
+    Both engines release the GIL for a run of at least release_size bytes and hold it
+    for a shorter one."""
 
     def __init__(self, algorithm: str, salt: bytes, hash_type: int,
                  engine: str = "auto") -> None:
         self.algorithm = normalize_algorithm(algorithm)
-        if hash_type not in (0, 1):
-            raise ConfigError(f"format: unsupported hash type {hash_type} (0 or 1)")
         self.salt = bytes(salt)
         self.hash_type = hash_type
         self._base = hashlib.new(_HASHLIB_NAMES[self.algorithm])
@@ -152,9 +161,9 @@ class Digester:
                        if engine == "auto" else None)
         if self.native is not None and self.native.digest_size != self.digest_size:
             self.native = None  # never trust an engine that disagrees on the digest size
-        if self.native is not None and os.environ.get(RELEASE_ENV):
-            self.native.release_size = int(os.environ[RELEASE_ENV])
+        self.release_size = int(os.environ.get(RELEASE_ENV) or DEFAULT_RELEASE_SIZE)
         if self.native is not None:
+            self.native.release_size = self.release_size
             self.digest = self.native.digest
             self.slots_of = self.slots_of_held = self.native.slots
             self.verify = self._verify_native
@@ -172,9 +181,18 @@ class Digester:
             h.update(self.salt)
         return h.digest()
 
-    def slot(self, block) -> bytes:
-        """The digest of a block as stored in its parent hash block (padded in format 1)."""
-        return self.digest(block) + self._pad
+    def stored(self, hash_block, offset: int) -> bytes:
+        """The digest held in the slot at offset of a hash block: its first digest_size
+        bytes (format 1's padding is not part of it; the kernel compares digest_size)."""
+        return bytes(hash_block[offset:offset + self.digest_size])
+
+    def differing_slots(self, ours, theirs):
+        """Indices of the slots of ours whose digest differs from the same slot of
+        theirs, in order: the one home of "compare only the digest's bytes"."""
+        size, step = self.digest_size, self.slot_size
+        for i, at in enumerate(range(0, len(ours), step)):
+            if ours[at:at + size] != theirs[at:at + size]:
+                yield i
 
     def slots_of(self, buf, block_size: int) -> bytes:
         """Slots of every whole block in buf, a contiguous run of blocks; hot loop."""
@@ -215,23 +233,20 @@ class Digester:
                 append(pad)
         return b"".join(out)
 
-    def verify(self, buf, block_size: int, expected, release_gil: bool = False) -> int:
+    def verify(self, buf, block_size: int, expected) -> int:
         """-1 if every block of buf (a whole number of blocks) has the digest held at the
         start of its slot in expected, else the index of the first block that differs.
         Padding is not compared (the kernel compares digest_size bytes)."""
         _check_run(len(buf), block_size, len(expected), self.slot_size)
-        slots = (self.slots_of if release_gil else self.slots_of_held)(buf, block_size)
+        hash_run = self.slots_of if len(buf) >= self.release_size else self.slots_of_held
+        slots = hash_run(buf, block_size)
         expected = bytes(expected)
         if slots == expected[:len(slots)]:
             return -1
-        size, step = self.digest_size, self.slot_size
-        for i, pos in enumerate(range(0, len(slots), step)):
-            if slots[pos:pos + size] != expected[pos:pos + size]:
-                return i
-        return -1
+        return next(self.differing_slots(slots, expected), -1)
 
-    def _verify_native(self, buf, block_size: int, expected, release_gil: bool = False) -> int:
-        """verify() on the native engine: the GIL is released by run length, not on demand."""
+    def _verify_native(self, buf, block_size: int, expected) -> int:
+        """verify() on the native engine (which releases the GIL by run length itself)."""
         return self.native.verify(buf, block_size, expected)
 
 

@@ -12,15 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import FormatError
-from ..limits import HASH_OFFSET_ALIGN, MAX_LEVELS, MAX_OFFSET, block_size_problem
+from ..limits import MAX_LEVELS, MAX_OFFSET
 from .superblock import SUPERBLOCK_SIZE
 
 
 def hash_start_block(hash_offset: int, hash_block_size: int, superblock: bool) -> int:
-    """First block of the tree, in hash-block units (veritysetup's VERITY_hash_offset_block)."""
-    if hash_offset % HASH_OFFSET_ALIGN:
-        raise FormatError(f"hash-offset: {hash_offset} is not a multiple of "
-                          f"{HASH_OFFSET_ALIGN}")
+    """First block of the tree, in hash-block units (veritysetup's VERITY_hash_offset_block),
+    for a hash offset and block size VerityParams.check() accepted."""
     if superblock:
         return (hash_offset + SUPERBLOCK_SIZE + hash_block_size - 1) // hash_block_size
     return hash_offset // hash_block_size
@@ -49,12 +47,8 @@ class TreeGeometry:
         slot_size: int,
         hash_start_block: int = 0,
     ) -> TreeGeometry:
-        """Compute every level's size and place; raise FormatError on impossible input."""
-        for name, size in (("data-block-size", data_block_size),
-                           ("hash-block-size", hash_block_size)):
-            problem = block_size_problem(name, size)
-            if problem:
-                raise FormatError(problem)
+        """Compute every level's size and place; raise FormatError on impossible input.
+        The block sizes are ones VerityParams.check() accepted (limits.block_size_ok)."""
         if data_blocks < 1:
             raise FormatError(f"data-blocks: {data_blocks} (at least one block is needed)")
         if data_blocks * data_block_size > MAX_OFFSET:
@@ -112,11 +106,22 @@ class TreeGeometry:
         """Bytes of data covered by the tree."""
         return self.data_blocks * self.data_block_size
 
+    def parent_slot(self, child_index: int) -> tuple[int, int]:
+        """Where the digest of child_index (a data block, or a hash block's index in its
+        level) sits in the level above it: (the parent's index in that level, byte
+        offset of the slot inside the parent). The one home of the slot arithmetic."""
+        return (child_index >> self.hpb_bits,
+                (child_index & (self.hashes_per_block - 1)) * self.slot_size)
+
+    def run_under_parent(self, first: int, count: int) -> int:
+        """How many of the count children from first share first's parent."""
+        return min(count, self.hashes_per_block - (first & (self.hashes_per_block - 1)))
+
     def slot_of(self, level: int, child_index: int) -> tuple[int, int]:
         """Where the digest of child_index (a data block for level 0, else a block of
         level-1) is stored: (absolute hash block, byte offset inside it)."""
-        block = self.level_start[level] + (child_index >> self.hpb_bits)
-        return block, (child_index & ((1 << self.hpb_bits) - 1)) * self.slot_size
+        index, offset = self.parent_slot(child_index)
+        return self.level_start[level] + index, offset
 
     def level_of_block(self, hash_block: int) -> int:
         """The level holding an absolute hash block number."""

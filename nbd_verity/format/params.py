@@ -7,12 +7,21 @@ without a superblock). It builds the Digester and the TreeGeometry everything el
 
 from __future__ import annotations
 
+import functools
 import os
 import uuid as uuidlib
 from dataclasses import dataclass, field, replace
 
 from ..errors import ConfigError, FormatError, ImageIOError, SuperblockError
-from ..limits import HASH_OFFSET_ALIGN, MAX_OFFSET, MAX_SALT_SIZE, block_size_problem
+from ..limits import (
+    HASH_OFFSET_ALIGN,
+    HASH_TYPES,
+    MAX_OFFSET,
+    block_size_problem,
+    hash_offset_ok,
+    hash_type_ok,
+    salt_size_problem,
+)
 from ..sources.source import ImageFile
 from .digest import Digester, normalize_algorithm
 from .geometry import TreeGeometry, hash_start_block
@@ -36,26 +45,35 @@ class VerityParams:
     superblock: bool = True
 
     def check(self) -> VerityParams:
-        """Validate each field with its own message; return self."""
-        if self.hash_type not in (0, 1):
-            raise ConfigError(f"format: unsupported hash type {self.hash_type} (0 or 1)")
+        """Validate each field with its own message; return self. The one entry that
+        validates parameters: Digester and TreeGeometry trust what passed it."""
+        if not hash_type_ok(self.hash_type):
+            raise ConfigError(f"format: unsupported hash type {self.hash_type} "
+                              f"({' or '.join(map(str, HASH_TYPES))})")
         normalize_algorithm(self.algorithm)
-        for name, size in (("data-block-size", self.data_block_size),
-                           ("hash-block-size", self.hash_block_size)):
-            problem = block_size_problem(name, size)
+        for problem in (block_size_problem("data-block-size", self.data_block_size),
+                        block_size_problem("hash-block-size", self.hash_block_size),
+                        salt_size_problem(len(self.salt))):
             if problem:
                 raise ConfigError(problem)
-        if len(self.salt) > MAX_SALT_SIZE:
-            raise ConfigError(f"salt: {len(self.salt)} bytes exceeds the maximum of "
-                              f"{MAX_SALT_SIZE}")
         check_hash_offset(self.hash_offset)
         self.geometry()  # raises on impossible sizes
         return self
 
     def digester(self) -> Digester:
-        return Digester(self.algorithm, self.salt, self.hash_type)
+        """The Digester of these parameters, built once (it holds no per-call state)."""
+        return self._digester
 
     def geometry(self) -> TreeGeometry:
+        """The TreeGeometry of these parameters, built once."""
+        return self._geometry
+
+    @functools.cached_property
+    def _digester(self) -> Digester:
+        return Digester(self.algorithm, self.salt, self.hash_type)
+
+    @functools.cached_property
+    def _geometry(self) -> TreeGeometry:
         d = self.digester()
         return TreeGeometry.from_params(
             self.data_blocks, self.data_block_size, self.hash_block_size,
@@ -71,6 +89,7 @@ class VerityParams:
 
     @property
     def uuid_text(self) -> str:
+        """The UUID as veritysetup prints it."""
         return str(uuidlib.UUID(bytes=self.uuid))
 
 
@@ -91,8 +110,8 @@ def random_uuid() -> bytes:
 
 
 def check_hash_offset(hash_offset: int) -> int:
-    """veritysetup's rule: the superblock or tree starts on a 512-byte boundary."""
-    if hash_offset < 0 or hash_offset % HASH_OFFSET_ALIGN:
+    """veritysetup's rule (limits.hash_offset_ok), and room for the superblock."""
+    if not hash_offset_ok(hash_offset):
         raise ConfigError(f"hash-offset: {hash_offset} is not a multiple of "
                           f"{HASH_OFFSET_ALIGN}")
     if hash_offset + SUPERBLOCK_SIZE > MAX_OFFSET:

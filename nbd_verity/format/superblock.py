@@ -8,11 +8,10 @@ userspace (veritysetup, and us) does.
 from __future__ import annotations
 
 import struct
-import uuid as uuidlib
 from dataclasses import dataclass
 
 from ..errors import SuperblockError
-from ..limits import MAX_SALT_SIZE, block_size_ok
+from ..limits import MAX_SALT_SIZE, block_size_ok, hash_type_ok, salt_size_ok
 
 SIGNATURE = b"verity\x00\x00"
 SUPERBLOCK_SIZE = 512
@@ -83,14 +82,14 @@ class Superblock:
             return problems  # the other fields mean nothing without the magic
         if self.version != VERSION:
             problems.append(f"unsupported version {self.version}")
-        if self.hash_type > 1:
+        if not hash_type_ok(self.hash_type):
             problems.append(f"unsupported hash type {self.hash_type}")
         if not block_size_ok(self.data_block_size):
             problems.append(f"unsupported data block size {self.data_block_size}")
         if not block_size_ok(self.hash_block_size):
             problems.append(f"unsupported hash block size {self.hash_block_size}")
         salt_size = len(self.salt) if self.salt_size < 0 else self.salt_size
-        if salt_size > MAX_SALT_SIZE:
+        if not salt_size_ok(salt_size):
             problems.append(f"salt_size {salt_size} exceeds {MAX_SALT_SIZE}")
         if not self.algorithm:
             problems.append("empty hash algorithm")
@@ -114,8 +113,3 @@ class Superblock:
             self.data_block_size, self.hash_block_size, self.data_blocks,
             len(self.salt), bytes(6), self.salt, bytes(168),
         )
-
-    @property
-    def uuid_text(self) -> str:
-        """The UUID as veritysetup prints it."""
-        return str(uuidlib.UUID(bytes=self.uuid))

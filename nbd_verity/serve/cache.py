@@ -88,11 +88,6 @@ class HashBlockCache:
                 self.evictions += 1
                 return
 
-    def level_counts(self) -> list[int]:
-        """Blocks cached per level, level 0 first."""
-        with self._lock:
-            return [len(blocks) for blocks in self._levels]
-
     def reset_counters(self) -> None:
         with self._lock:
             self.evictions = 0

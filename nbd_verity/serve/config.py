@@ -18,13 +18,17 @@ from ..format.roothash import root_hash_text
 from ..logbound import DEFAULT_LOG_RATE
 from .cache import DEFAULT_CACHE_SIZE
 
-MODES = ("eio", "ignore-corruption", "restart-on-corruption")  # dm-verity's error modes
+# dm-verity's error modes (docs/server.md, "Error modes"): the one home of their names.
+EIO, IGNORE_CORRUPTION, RESTART_ON_CORRUPTION = "eio", "ignore-corruption", "restart-on-corruption"
+MODES = (EIO, IGNORE_CORRUPTION, RESTART_ON_CORRUPTION)
 
 READAHEAD_MIN_SIZE = 128 << 10  # a request this large triggers Merkle readahead
 # nbdkit thread models by name. SERIALIZE_REQUESTS is the default: requests of one
 # connection in order, connections in parallel (multi-conn is advertised). PARALLEL can be
 # aborted by a client on nbdkit 1.32.4-1.33.9 (nbd_verity/serve/nbdkit_compat.py).
-THREAD_MODELS = ("serialize-requests", "serialize-all-requests", "parallel")
+SERIALIZE_REQUESTS, SERIALIZE_ALL_REQUESTS = "serialize-requests", "serialize-all-requests"
+PARALLEL = "parallel"
+THREAD_MODELS = (SERIALIZE_REQUESTS, SERIALIZE_ALL_REQUESTS, PARALLEL)
 
 _SUFFIXES = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
@@ -86,7 +90,7 @@ class ServerConfig:
     root_hash: str | None = None  # hex, checked against the digest size once params are
     # known; None: IMAGE.roothash beside the data, or a verity.sig's rootHash
     tree: dict = field(default_factory=dict)  # options for params.load_params
-    mode: str = "eio"
+    mode: str = EIO
     ignore_zero_blocks: bool = False
     check_at_most_once: bool = False
     cache_size: int = DEFAULT_CACHE_SIZE
@@ -101,20 +105,20 @@ class ServerConfig:
     root_hash_signature: str | None = None  # DER PKCS#7, or a verity.sig JSON file
     trusted_certs: str | None = None  # a PEM file or a directory; None: verity.d places
     require_signatures: bool = False  # the kernel's require_signatures: no start unsigned
-    thread_model: str = "serialize-requests"
+    thread_model: str = SERIALIZE_REQUESTS
     log_rate: int = DEFAULT_LOG_RATE
     fec_device: str | None = None  # Reed-Solomon parity, as veritysetup --fec-device
     fec_roots: int = 2  # veritysetup's default --fec-roots
     fec_offset: int = 0  # bytes into fec_device where the parity starts
 
     def __post_init__(self) -> None:
-        if self.serialize and self.thread_model == "parallel":
+        if self.serialize and self.thread_model == PARALLEL:
             raise ConfigError("serialize: true conflicts with thread-model=parallel")
 
     @property
     def effective_thread_model(self) -> str:
         """serialize=true is serialize-all-requests; otherwise thread-model decides."""
-        return "serialize-all-requests" if self.serialize else self.thread_model
+        return SERIALIZE_ALL_REQUESTS if self.serialize else self.thread_model
 
 
 def _text(key: str, text: str) -> str:

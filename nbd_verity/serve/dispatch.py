@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from ..control.table import CLASSES, INLINE, POOL
 from .tally import Tally
 
-CHUNK_SIZE = 256 << 10  # bytes per pool task: measured best of 64K..256K (docs/control.md)
+POOL_CHUNK_SIZE = 256 << 10  # bytes per pool task: measured best of 64K..256K (docs/control.md)
 LATENCY_SAMPLES = 4096  # recent latencies kept per class and path, for percentiles
 
 
@@ -84,11 +84,11 @@ class Dispatcher:
 
     def __init__(self, read_fn, block_size: int, table: tuple[int, ...],
                  workers: int = 0) -> None:
-        self._read = read_fn  # read_fn(buf, offset, release_gil=False) verifies in place
+        self._read = read_fn  # read_fn(buf, offset) verifies in place
         self.block_size = block_size
         self.table = table  # replaced whole, never mutated
         self.workers = workers or os.cpu_count() or 1
-        self.chunk_size = max(block_size, CHUNK_SIZE - CHUNK_SIZE % block_size)
+        self.chunk_size = max(block_size, POOL_CHUNK_SIZE - POOL_CHUNK_SIZE % block_size)
         self.stats = PathStats()
         self._pool: ThreadPoolExecutor | None = None
         self._start_lock = threading.Lock()
@@ -130,7 +130,7 @@ class Dispatcher:
         while pos < end:
             boundary = (pos // self.chunk_size + 1) * self.chunk_size
             stop = min(end, boundary)
-            futures.append(pool.submit(self._read, buf[pos - offset:stop - offset], pos, True))
+            futures.append(pool.submit(self._read, buf[pos - offset:stop - offset], pos))
             pos = stop
         error = None
         for future in futures:  # wait for every chunk before the buffer goes back

@@ -87,8 +87,9 @@ _decref.restype = None
 class FailureRaiser:
     """Raises request failures for nbdkit without leaking (see the module docstring).
 
-    install() replaces traceback.format_exception once; `fallback` formats everything
-    that is not a pending request failure (our one-line formatter for VerityError)."""
+    install() replaces traceback.format_exception once (the only place that does);
+    `fallback` formats everything that is not a pending request failure (the plugin's
+    one-line formatter for VerityError). compensate may be set after install()."""
 
     def __init__(self, set_error, compensate: bool, fallback=traceback.format_exception):
         self._set_error = set_error

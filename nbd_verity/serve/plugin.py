@@ -26,7 +26,13 @@ from nbd_verity.errors import ConfigError, CorruptionError, ImageIOError, Verity
 from nbd_verity.limits import MAX_REQUEST_SIZE
 from nbd_verity.log import log
 from nbd_verity.serve import device, nbdkit_compat
-from nbd_verity.serve.config import ConfigBuilder
+from nbd_verity.serve.config import (
+    PARALLEL,
+    RESTART_ON_CORRUPTION,
+    SERIALIZE_ALL_REQUESTS,
+    SERIALIZE_REQUESTS,
+    ConfigBuilder,
+)
 
 API_VERSION = 2
 __all__ = ["API_VERSION", "after_fork", "block_size", "cache", "can_cache", "can_multi_conn",
@@ -39,7 +45,6 @@ _builder = ConfigBuilder()
 _device = None
 _restart_requested = threading.Event()
 _format_exception = traceback.format_exception
-_failures: nbdkit_compat.FailureRaiser | None = None
 _failed_reads = [0]  # requests answered with an error, for the log summary
 _failed_lock = threading.Lock()
 
@@ -53,7 +58,11 @@ def _one_line(exc, value=None, tb=None, **kwargs):
     return _format_exception(exc, value, tb, **kwargs)
 
 
-traceback.format_exception = _one_line
+# The one replacement of traceback.format_exception, from import on (config() errors are
+# one line too); whether to give nbdkit's leaked references back is known at
+# config_complete, once nbdkit's version has been asked.
+_failures = nbdkit_compat.FailureRaiser(nbdkit.set_error, False, _one_line)
+_failures.install()
 
 
 def _peer_pid():
@@ -90,15 +99,15 @@ def _exit_for_restart():
 
 
 _THREAD_MODELS = {
-    "serialize-requests": nbdkit.THREAD_MODEL_SERIALIZE_REQUESTS,
-    "serialize-all-requests": nbdkit.THREAD_MODEL_SERIALIZE_ALL_REQUESTS,
-    "parallel": nbdkit.THREAD_MODEL_PARALLEL,
+    SERIALIZE_REQUESTS: nbdkit.THREAD_MODEL_SERIALIZE_REQUESTS,
+    SERIALIZE_ALL_REQUESTS: nbdkit.THREAD_MODEL_SERIALIZE_ALL_REQUESTS,
+    PARALLEL: nbdkit.THREAD_MODEL_PARALLEL,
 }
 
 
 def thread_model():
     name = _config.effective_thread_model
-    if name == "parallel":
+    if name == PARALLEL:
         version = nbdkit_compat.nbdkit_version()
         if nbdkit_compat.has_send_race(version):
             log(f"thread-model=parallel: nbdkit {nbdkit_compat.version_text(version)} aborts "
@@ -112,12 +121,9 @@ def config(key, value):
 
 
 def config_complete():
-    global _config, _failures
+    global _config
     _config = _builder.build()
-    version = nbdkit_compat.nbdkit_version()
-    _failures = nbdkit_compat.FailureRaiser(nbdkit.set_error,
-                                            nbdkit_compat.leaks_failures(version), _one_line)
-    _failures.install()
+    _failures.compensate = nbdkit_compat.leaks_failures(nbdkit_compat.nbdkit_version())
 
 
 def get_ready():
@@ -194,7 +200,7 @@ def _read(h, buf, offset):
     try:
         h.read(memoryview(buf), offset)
     except CorruptionError as e:
-        if _config.mode == "restart-on-corruption":
+        if _config.mode == RESTART_ON_CORRUPTION:
             _restart()
         return errno.EIO, str(e)
     except ImageIOError as e:

@@ -26,16 +26,16 @@ from typing import TYPE_CHECKING, ClassVar
 
 from ..errors import CorruptionError, DataCorruption, HashCorruption, ImageIOError
 from ..format.blocks import split_request
+from ..format.digest import READ_FAILED
 from ..format.params import VerityParams
 from ..log import log
 from ..sources.source import ImageFile
 from .cache import HashBlockCache
+from .config import EIO, IGNORE_CORRUPTION
 from .tally import Tally
 
 if TYPE_CHECKING:
     from ..fec.served import ServedFec
-
-READ_FAILED = -2  # _native.READ_FAILED: read_verify's read failed; Python reads again
 
 MAX_LOGGED_ERRORS = 100  # the kernel's DM_VERITY_MAX_CORRUPTED_ERRS
 
@@ -44,7 +44,7 @@ MAX_LOGGED_ERRORS = 100  # the kernel's DM_VERITY_MAX_CORRUPTED_ERRS
 class VerifyOptions:
     """dm-verity's optional behaviours (the kernel's table arguments; docs/server.md)."""
 
-    mode: str = "eio"
+    mode: str = EIO
     ignore_zero_blocks: bool = False
     check_at_most_once: bool = False
 
@@ -75,7 +75,8 @@ class Counters:
             row[self._INDEX[name]] += amount
 
     def verified(self, blocks: int) -> None:
-        """The hot path's one counter: data blocks that matched."""
+        """The hot path's one counter: data blocks that matched their trusted digest
+        (data_blocks_verified; a corrupt block counts in corruptions instead)."""
         self._tally.row()[0] += blocks
 
     def corruption(self) -> int:
@@ -186,9 +187,8 @@ class Verifier:
         """The trusted digest a hash block must have: the root, or its parent's slot."""
         if level == self.geo.levels - 1:
             return self.root
-        parent = self._hash_block(level + 1, index >> self.geo.hpb_bits)
-        _, offset = self.geo.slot_of(level + 1, index)
-        return parent[offset:offset + self.digester.digest_size]
+        parent_index, offset = self.geo.parent_slot(index)
+        return self.digester.stored(self._hash_block(level + 1, parent_index), offset)
 
     def prefetch(self, first_block: int, blocks: int) -> int:
         """Merkle readahead: read the level-0 blocks for these data blocks in one read,
@@ -196,8 +196,8 @@ class Verifier:
         geo = self.geo
         if geo.levels == 0 or blocks <= 0:
             return 0
-        return self.prefetch_leaves(first_block >> geo.hpb_bits,
-                                    (first_block + blocks - 1) >> geo.hpb_bits)
+        return self.prefetch_leaves(geo.parent_slot(first_block)[0],
+                                    geo.parent_slot(first_block + blocks - 1)[0])
 
     def prefetch_leaves(self, lo: int, hi: int) -> int:
         """Read level-0 blocks lo..hi (clipped to the tree) in one read, verify each
@@ -237,25 +237,26 @@ class Verifier:
 
     # -- data -------------------------------------------------------------------------
 
-    def read(self, buf: memoryview, offset: int, release_gil: bool = False) -> None:
+    def read(self, buf: memoryview, offset: int) -> None:
         """Fill buf with verified bytes of the device at offset (any alignment).
 
-        Inline (the default) hashes with the GIL held: one thread's request runs start to
-        end without handing the GIL to the other nbdkit threads at every block. The pool
-        passes release_gil=True so that its workers hash on several cores at once."""
+        A run shorter than the digester's release_size is hashed with the GIL held, so
+        that one thread's request runs start to end without handing the GIL to the other
+        nbdkit threads at every block; a longer one (a pool chunk, a large inline read)
+        is hashed with it released, on several cores at once."""
         dbs = self.geo.data_block_size
         if not offset % dbs and not len(buf) % dbs:  # aligned: the common case, no split
             if self._reads_native and self._read_verify(buf, offset):
                 return
-            self._read_blocks(buf, offset // dbs, len(buf) // dbs, release_gil)
+            self._read_blocks(buf, offset // dbs, len(buf) // dbs)
             return
         for seg in split_request(offset, len(buf), dbs):
             if seg.whole:
                 target = buf[seg.buf_offset:seg.buf_offset + seg.length]
-                self._read_blocks(target, seg.first_block, seg.blocks, release_gil)
+                self._read_blocks(target, seg.first_block, seg.blocks)
             else:
                 scratch = memoryview(bytearray(dbs))
-                self._read_blocks(scratch, seg.first_block, 1, release_gil)
+                self._read_blocks(scratch, seg.first_block, 1)
                 buf[seg.buf_offset:seg.buf_offset + seg.length] = (
                     scratch[seg.skip:seg.skip + seg.length])
 
@@ -263,14 +264,12 @@ class Verifier:
         """Native: read an aligned run that lies under one leaf and verify it in one call
         (preadv into buf, then hash). False, having done nothing, if the run spans leaves."""
         geo = self.geo
-        dbs, bits, slot = geo.data_block_size, geo.hpb_bits, geo.slot_size
+        dbs = geo.data_block_size
         first, count = offset // dbs, len(buf) // dbs
-        leaf_index = first >> bits
-        if (first + count - 1) >> bits != leaf_index:
+        if geo.run_under_parent(first, count) < count:
             return False
-        leaf = self._hash_block(0, leaf_index)
-        start = (first - (leaf_index << bits)) * slot
-        want = leaf[start:start + count * slot]
+        leaf_index, start = geo.parent_slot(first)
+        want = self._hash_block(0, leaf_index)[start:start + count * geo.slot_size]
         bad = self._hasher.read_verify(self.data.fd, buf, offset, dbs, want)
         if bad == -1:
             self.counters.verified(count)
@@ -281,8 +280,7 @@ class Verifier:
         self._after_run(buf, first, count, bad)
         return True
 
-    def _read_blocks(self, mv: memoryview, first: int, count: int,
-                     release_gil: bool = False) -> None:
+    def _read_blocks(self, mv: memoryview, first: int, count: int) -> None:
         """Read `count` data blocks from `first` into mv and verify them; with FEC, a read
         the source fails goes on block by block (_read_or_rebuild)."""
         try:
@@ -290,12 +288,12 @@ class Verifier:
         except ImageIOError as error:
             if self.fec is None:
                 raise
-            self._read_or_rebuild(mv, first, count, error, release_gil)
+            self._read_or_rebuild(mv, first, count, error)
             return
-        self._verify_blocks(mv, first, count, release_gil)
+        self._verify_blocks(mv, first, count)
 
-    def _read_or_rebuild(self, mv: memoryview, first: int, count: int, error: ImageIOError,
-                         release_gil: bool) -> None:
+    def _read_or_rebuild(self, mv: memoryview, first: int, count: int,
+                         error: ImageIOError) -> None:
         """The source failed a read of these blocks: read them one at a time, verify those
         that read and rebuild those that do not, so that one bad block fails no other."""
         if count == 1:
@@ -309,7 +307,7 @@ class Verifier:
             except ImageIOError as block_error:
                 self._rebuild_unreadable(block, piece, block_error)
                 continue
-            self._verify_blocks(piece, block, 1, release_gil)
+            self._verify_blocks(piece, block, 1)
 
     def _after_run(self, mv: memoryview, first: int, count: int, bad: int) -> None:
         """Count a checked run; from its first differing block on, take the general path."""
@@ -320,8 +318,7 @@ class Verifier:
         dbs = self.geo.data_block_size
         self._verify_blocks_one_by_one(mv[bad * dbs:], first + bad, count - bad)
 
-    def _verify_blocks(self, mv: memoryview, first: int, count: int,
-                       release_gil: bool = False) -> None:
+    def _verify_blocks(self, mv: memoryview, first: int, count: int) -> None:
         """Check `count` consecutive data blocks held in mv (in place), one level-0 block
         at a time: the run is hashed and compared with its slots in one call, and only
         from a block that differs on is it examined block by block."""
@@ -329,52 +326,49 @@ class Verifier:
             self._verify_blocks_one_by_one(mv, first, count)
             return
         geo = self.geo
-        dbs, bits, slot = geo.data_block_size, geo.hpb_bits, geo.slot_size
+        dbs, slot = geo.data_block_size, geo.slot_size
         verify = self.digester.verify
         done = 0
         while done < count:
             block = first + done
-            leaf_index = block >> bits
-            run = min(count - done, ((leaf_index + 1) << bits) - block)
+            run = geo.run_under_parent(block, count - done)
+            leaf_index, start = geo.parent_slot(block)
             leaf = self._hash_block(0, leaf_index)
-            start = (block - (leaf_index << bits)) * slot
             piece = mv[done * dbs:(done + run) * dbs]
-            bad = verify(piece, dbs, leaf[start:start + run * slot], release_gil)
+            bad = verify(piece, dbs, leaf[start:start + run * slot])
             self._after_run(piece, block, run, bad)
             done += run
 
     def _verify_blocks_one_by_one(self, mv: memoryview, first: int, count: int) -> None:
-        """The general path: zero blocks, check-at-most-once, recheck and errors."""
+        """The general path: zero blocks, check-at-most-once, recheck and errors. Only
+        blocks that matched their digest (as read, re-read or rebuilt) count as verified,
+        also those before a corruption that fails the request."""
         geo, d = self.geo, self.digester
-        dbs, bits, mask = geo.data_block_size, geo.hpb_bits, (1 << geo.hpb_bits) - 1
-        slot, size = geo.slot_size, d.digest_size
+        dbs = geo.data_block_size
         bitmap, zero = self._verified_bitmap, self.zero_digest
-        leaf_index, leaf = -1, b""
-        checked = 0
-        for i in range(count):
-            block = first + i
-            if bitmap is not None and bitmap[block >> 3] & (1 << (block & 7)):
-                continue
-            if geo.levels == 0:
-                want = self.root
-            else:
-                if block >> bits != leaf_index:
-                    leaf_index = block >> bits
-                    leaf = self._hash_block(0, leaf_index)
-                offset = (block & mask) * slot
-                want = leaf[offset:offset + size]
-            piece = mv[i * dbs:(i + 1) * dbs]
-            if zero is not None and want == zero:
-                piece[:] = self._zero_block  # the kernel returns zeros without hashing
-                continue
-            checked += 1
-            if d.digest(piece) != want and not self._recheck(block, piece, want):
-                if not self._repair_data(block, piece, want):
-                    self._corruption(DataCorruption(block))
-                continue  # repaired: not marked checked, the block on disk is still bad
-            if bitmap is not None:
-                bitmap[block >> 3] |= 1 << (block & 7)
-        self.counters.verified(checked)
+        leaves: dict[int, bytes] = {}  # the leaf of this run, fetched once
+        matched = 0
+        try:
+            for i in range(count):
+                block = first + i
+                if bitmap is not None and bitmap[block >> 3] & (1 << (block & 7)):
+                    continue
+                want = self._data_want(block, leaves)
+                piece = mv[i * dbs:(i + 1) * dbs]
+                if zero is not None and want == zero:
+                    piece[:] = self._zero_block  # the kernel returns zeros without hashing
+                    continue
+                if d.digest(piece) != want and not self._recheck(block, piece, want):
+                    if self._repair_data(block, piece, want):
+                        matched += 1  # not marked checked: the block on disk is still bad
+                    else:
+                        self._corruption(DataCorruption(block))  # counted there, not here
+                    continue
+                matched += 1
+                if bitmap is not None:
+                    bitmap[block >> 3] |= 1 << (block & 7)
+        finally:
+            self.counters.verified(matched)
 
     def _recheck(self, block: int, piece: memoryview, want: bytes) -> bool:
         """Re-read a mismatching block privately; if it now matches, use that copy. With
@@ -435,14 +429,19 @@ class Verifier:
             log(f"{kind} block {block} repaired with FEC{why}")
         return fixed
 
-    def _data_want(self, block: int) -> bytes:
-        """A data block's trusted digest: the root, or its slot in its verified leaf."""
+    def _data_want(self, block: int, leaves: dict[int, bytes] | None = None) -> bytes:
+        """A data block's trusted digest: the root, or its slot in its verified leaf
+        (kept in leaves, when given, for the next block of the same run)."""
         if self.geo.levels == 0:
             return self.root
-        bits = self.geo.hpb_bits
-        leaf = self._hash_block(0, block >> bits)
-        offset = (block & ((1 << bits) - 1)) * self.geo.slot_size
-        return leaf[offset:offset + self.digester.digest_size]
+        leaf_index, offset = self.geo.parent_slot(block)
+        if leaves is None:
+            return self.digester.stored(self._hash_block(0, leaf_index), offset)
+        leaf = leaves.get(leaf_index)
+        if leaf is None:
+            leaves.clear()
+            leaf = leaves[leaf_index] = self._hash_block(0, leaf_index)
+        return self.digester.stored(leaf, offset)
 
     def _data_digest(self, block: int) -> bytes | None:
         """A data block's trusted digest for FEC's erasure search; None if its leaf
@@ -473,6 +472,6 @@ class Verifier:
             log(str(error))
         if seen == MAX_LOGGED_ERRORS:
             log("reached maximum errors; further corruptions are counted, not logged")
-        if self.options.mode == "ignore-corruption":
+        if self.options.mode == IGNORE_CORRUPTION:
             return
         raise error

@@ -12,11 +12,9 @@ byte is served. What this module adds is the failure model of a network:
 - parallel requests use a pool of connections, each carrying one request at a time and
   opened only when requests overlap, up to DEFAULT_CONNECTIONS, but only if the upstream
   advertises multi-conn (NBD_FLAG_CAN_MULTI_CONN); otherwise one connection, which
-  requests take in turn. Measured with 8 threads of 64 KiB reads against an upstream
-  with 1 ms per read: 46, 96, 173 and 338 MB/s with 1, 2, 4 and 8 connections (one per
-  thread wins when reads wait); without the delay all sizes gave 740-910 MB/s (CPU
-  bound). So the bound is nbdkit's default of 16 threads per client: in effect a handle
-  per busy thread, without idle connections for idle threads.
+  requests take in turn. The bound is nbdkit's default of 16 threads per client: a handle
+  per busy thread, none for idle ones (docs/benchmarks.md, "Connections to an NBD
+  source", has the measurements).
 
 The pool's lock guards the idle list, the number of open connections and the counters;
 it is never held during I/O.
@@ -29,13 +27,13 @@ import time
 import urllib.parse
 
 from ..errors import ConfigError, ImageIOError
+from ..limits import MAX_REQUEST_SIZE
 from .source import ImageFile
 
 URI_SCHEMES = ("nbd", "nbds", "nbd+unix", "nbds+unix")
 DEFAULT_CONNECTIONS = 16  # pool bound with multi-conn: nbdkit's threads per client
 READ_TIMEOUT_S = 60.0  # a read taking longer is an error and its connection is dropped
 POLL_SLICE_MS = 1000  # libnbd poll timeout per wait, so the deadline is checked
-MAX_READ_SIZE = 32 << 20  # NBD servers (nbdkit included) refuse larger requests
 
 
 def is_uri(text: str) -> bool:
@@ -200,7 +198,7 @@ def _max_read_size(h) -> int:
         advertised = h.get_block_size(nbd.SIZE_MAXIMUM)
     except nbd.Error:
         advertised = 0
-    return min(advertised, MAX_READ_SIZE) if advertised > 0 else MAX_READ_SIZE
+    return min(advertised, MAX_REQUEST_SIZE) if advertised > 0 else MAX_REQUEST_SIZE
 
 
 def _is_dead(h) -> bool:

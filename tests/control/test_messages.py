@@ -18,7 +18,7 @@ from .harness import exchange
 
 KNOWN = {"none": 1000, "rt": 2000, "be": 3000, "idle": 5000}
 MAX = 32 << 20
-MAX_LINE = 64 << 10  # the documented longest request line
+MAX_REQUEST_LINE = 64 << 10  # the documented longest request line
 SET_BE = b'{"cmd": "thresholds", "set": {"be": 65536}}'
 
 
@@ -71,7 +71,7 @@ MALFORMED = {
     # overlong: far past the limit; one byte past it, and 100 KB, each a valid request
     # whose newline comes with a later recv than the limit check sees
     "overlong-200k": (b'{"cmd": "thresholds"' + b" " * 200_000 + b"}\n", "longer than"),
-    "overlong-by-one-valid": (padded(SET_BE, MAX_LINE + 1), "longer than"),
+    "overlong-by-one-valid": (padded(SET_BE, MAX_REQUEST_LINE + 1), "longer than"),
     "overlong-100k-valid": (padded(SET_BE, 100_000), "longer than"),
     "overlong-no-newline": (b"x" * 300_000, "longer than"),
 }
@@ -141,5 +141,5 @@ def test_good_messages_still_work_afterwards(primed):
 
 
 def test_a_line_of_exactly_the_limit_is_answered(primed):
-    reply = json.loads(exchange(primed.control, padded(b'{"cmd": "thresholds"}', MAX_LINE)))
+    reply = json.loads(exchange(primed.control, padded(b'{"cmd": "thresholds"}', MAX_REQUEST_LINE)))
     assert reply == {"ok": True, "thresholds": KNOWN}

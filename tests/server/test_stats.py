@@ -8,6 +8,7 @@ import os
 import pytest
 from serverlib import MIB, control_request, flip_byte
 
+from nbd_verity.errors import CorruptionError
 from nbd_verity.serve.config import config_from_pairs
 from nbd_verity.serve.device import Connection, Device
 
@@ -38,17 +39,39 @@ def test_cache_command_then_read_needs_no_hash_reads(default_image, servers, soc
         assert after["hash_reads"] > 0, after
 
 
-def test_each_block_read_is_counted_once(default_image, tmp_path):
+@pytest.mark.parametrize("check_at_most_once", ["false", "true"])
+def test_each_block_read_is_counted_once(default_image, tmp_path, check_at_most_once):
+    """data_blocks_verified counts the blocks that matched; under ignore-corruption a
+    corrupt block, returned as read, counts in corruptions only (docs/control.md)."""
     image = default_image.copy(tmp_path)
     dbs = image.data_block_size
-    flip_byte(image.data, 300 * dbs)
-    dev = Device(config_from_pairs(image.pairs(error_mode="ignore-corruption")))
+    for block in (300, 301, 700):
+        flip_byte(image.data, block * dbs)
+    dev = Device(config_from_pairs(image.pairs(error_mode="ignore-corruption",
+                                               check_at_most_once=check_at_most_once)))
     try:
         buf = bytearray(image.size)
         Connection(dev).read(memoryview(buf), 0)
         counts = dev.verifier.counters.snapshot()
     finally:
         dev.close()
-    assert bytes(buf) == image.expected()
-    assert counts["corruptions"] == 1
-    assert counts["data_blocks_verified"] == image.data_blocks, counts
+    assert bytes(buf) == image.expected()  # the file as it is, corrupt bytes included
+    assert counts["corruptions"] == 3
+    assert counts["data_blocks_verified"] == image.data_blocks - 3, counts
+
+
+def test_blocks_before_a_corruption_still_count(default_image, tmp_path):
+    """Under eio a read of blocks 256..319 fails at block 300, but the 44 blocks before it
+    matched and count (check-at-most-once takes them one by one)."""
+    image = default_image.copy(tmp_path)
+    dbs = image.data_block_size
+    flip_byte(image.data, 300 * dbs)
+    dev = Device(config_from_pairs(image.pairs(check_at_most_once="true")))
+    try:
+        buf = bytearray(64 * dbs)
+        with pytest.raises(CorruptionError):
+            Connection(dev).read(memoryview(buf), 256 * dbs)
+        counts = dev.verifier.counters.snapshot()
+    finally:
+        dev.close()
+    assert (counts["corruptions"], counts["data_blocks_verified"]) == (1, 44), counts

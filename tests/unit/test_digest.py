@@ -15,6 +15,7 @@ from nbd_verity.format.digest import (
     parse_salt,
     supported_algorithms,
 )
+from nbd_verity.format.params import VerityParams
 
 SALT = bytes.fromhex("e48da609055204e89ae53b655ca2216dd983cf3cb829f34f63a297d106d53e2d")
 BLOCK = bytes(range(256)) * 16
@@ -38,8 +39,8 @@ def test_no_salt_is_the_plain_digest():
 def test_format_1_pads_slots_to_a_power_of_two_and_format_0_packs_them():
     v1, v0 = Digester("sha1", SALT, 1), Digester("sha1", SALT, 0)
     assert (v1.digest_size, v1.slot_size, v0.slot_size) == (20, 32, 20)
-    assert v1.slot(BLOCK) == hashlib.sha1(SALT + BLOCK).digest() + bytes(12)
-    assert v0.slot(BLOCK) == hashlib.sha1(BLOCK + SALT).digest()
+    assert v1.slots_of(BLOCK, len(BLOCK)) == hashlib.sha1(SALT + BLOCK).digest() + bytes(12)
+    assert v0.slots_of(BLOCK, len(BLOCK)) == hashlib.sha1(BLOCK + SALT).digest()
 
 
 @pytest.mark.parametrize("hash_type", [0, 1])
@@ -47,7 +48,8 @@ def test_format_1_pads_slots_to_a_power_of_two_and_format_0_packs_them():
 def test_slots_of_equals_one_slot_per_block(algorithm, hash_type):
     d = Digester(algorithm, SALT[:7], hash_type)
     buf = os.urandom(512 * 9)
-    expected = b"".join(d.slot(buf[i:i + 512]) for i in range(0, len(buf), 512))
+    pad = bytes(d.slot_size - d.digest_size)
+    expected = b"".join(d.digest(buf[i:i + 512]) + pad for i in range(0, len(buf), 512))
     assert d.slots_of(buf, 512) == expected
     assert d.slots_of(memoryview(buf), 512) == expected
     assert d.slots_of_held(buf, 512) == expected
@@ -60,6 +62,21 @@ def test_held_slots_cut_blocks_without_changing_digests(block_size, hash_type):
     d = Digester("sha256", SALT[:7], hash_type)
     buf = os.urandom(block_size * 3)
     assert d.slots_of_held(buf, block_size) == d.slots_of(buf, block_size)
+
+
+@pytest.mark.parametrize("hash_type", [0, 1])
+def test_differing_slots_compares_only_the_digest_bytes(hash_type):
+    """Padding (format 1) never counts; each slot whose digest differs is named, in order."""
+    d = Digester("sha1", SALT, hash_type)
+    ours = d.slots_of(os.urandom(512 * 4), 512)
+    theirs = bytearray(ours)
+    if hash_type == 1:
+        theirs[d.digest_size] ^= 1  # padding of slot 0: not a difference
+    theirs[1 * d.slot_size] ^= 1
+    theirs[3 * d.slot_size + d.digest_size - 1] ^= 1
+    assert list(d.differing_slots(ours, bytes(theirs))) == [1, 3]
+    assert d.verify(bytes(512 * 4), 512, d.slots_of(bytes(512 * 4), 512)) == -1
+    assert d.stored(ours, d.slot_size) == ours[d.slot_size:d.slot_size + d.digest_size]
 
 
 def test_digester_can_be_reused_without_leaking_state():
@@ -112,5 +129,5 @@ def test_normalize_algorithm_rejects_unknown_names(name):
 
 
 def test_unknown_hash_type():
-    with pytest.raises(ConfigError, match="format: unsupported hash type 2"):
-        Digester("sha256", b"", 2)
+    with pytest.raises(ConfigError, match=r"format: unsupported hash type 2 \(0 or 1\)"):
+        VerityParams(data_blocks=1, hash_type=2).check()

@@ -37,7 +37,8 @@ def test_native_codec_is_built():
 @pytest.mark.parametrize("roots", [2, 3, 8, 24])
 @pytest.mark.parametrize("codec", CODECS)
 def test_encode_matches_reedsolo(codec, roots):
-    """reedsolo with prim 0x11d, generator 2, fcr 0 is SPEC §3's checked oracle."""
+    """reedsolo with prim 0x11d, generator 2, fcr 0 is the code the kernel builds with
+    init_rs(8, 0x11d, 0, 1, roots) (nbd_verity/fec/_rs.c's header): the oracle."""
     encode, _ = codec
     reedsolo.init_tables(prim=0x11D, generator=2, c_exp=8)
     rows = rows_of(roots, 40, roots)
@@ -62,6 +63,24 @@ def test_corrects_up_to_half_roots_errors(codec, roots):
         corrected, failed, row = decode(roots, bad, parity, [], target)
         assert (failed, row) == (0, rows[target])
         assert corrected == 24 * (roots // 2)
+
+
+@pytest.mark.parametrize("erasures, target, message", [
+    (list(range(256)), 0, "256 erasures, at most 255"),
+    ([3, 7, 3], 0, "erasure 3 is given twice"),
+    ([-1], 0, r"erasure -1 is outside 0\.\.246"),
+    ([-2], 0, r"erasure -2 is outside 0\.\.246"),
+    ([247], 0, r"erasure 247 is outside 0\.\.246"),
+    ([], -2, "target or parity length out of range"),
+])
+@pytest.mark.parametrize("codec", CODECS)
+def test_bad_erasure_lists_are_refused_not_dropped(codec, erasures, target, message):
+    """Both codecs refuse a list no caller should build instead of decoding with part
+    of it; -1 is a target (no row), never an erasure."""
+    encode, decode = codec
+    rows = rows_of(8, 4, 1)
+    with pytest.raises(ValueError, match=message):
+        decode(8, rows, encode(8, rows, 4), erasures, target)
 
 
 @pytest.mark.parametrize("roots", [2, 3, 8, 24])
@@ -109,13 +128,15 @@ def params(blocks: int = 768, bs: int = 4096, **kw) -> VerityParams:
 
 
 def test_geometry_of_spec_example():
-    """SPEC §3: 768 data blocks and an 8-block hash file give fec_blocks 775; roots 7 gives
-    rsn 248, 4 rounds, 28 parity blocks (veritysetup: "FEC blocks: 28")."""
+    """768 data blocks and an 8-block hash file give fec_blocks 775; roots 7 gives rsn 248,
+    4 rounds, 28 parity blocks (veritysetup format --fec-roots 7: "FEC blocks: 28")."""
     geo = fec.FecGeometry.from_params(params(), 7, 8 * 4096)
     assert (geo.fec_blocks, geo.rsn, geo.rounds, geo.parity_blocks) == (775, 248, 4, 28)
     assert geo.dump_lines() == ["FEC RS roots:   \t7", "FEC blocks:     \t28"]
     assert geo.locate(5) == (1, 1) and list(geo.group(1))[:3] == [1, 5, 9]
-    assert geo.source_of(768) == ("hash", 1) and geo.source_of(775) is None
+    assert geo.source_run(760, 20) == ("data", 760, 8)
+    assert geo.source_run(768, 20) == ("hash", 1, 7)
+    assert geo.source_run(775, 20) == (None, 0, 20)
     assert geo.index_of_hash_block(7) == 774
     assert geo.parity_span(3) == (3 * 4096 * 7, 4096 * 7)
 

@@ -51,16 +51,41 @@ def test_superblock_with_bytes_changed(changes):
 
 @FUZZ
 @given(st.integers(0, 2**64 - 1), st.integers(0, 2**32 - 1), st.integers(0, 2**32 - 1),
-       st.integers(0, 2**16 - 1), st.integers(0, 2**32 - 1))
-def test_superblock_with_any_numbers(data_blocks, dbs, hbs, salt_size, version):
-    """The numeric fields at their full on-disk width (little-endian, cryptsetup layout)."""
+       st.integers(0, 2**16 - 1), st.integers(0, 2**32 - 1), st.integers(0, 2**32 - 1))
+def test_superblock_with_any_numbers(data_blocks, dbs, hbs, salt_size, version, hash_type):
+    """The numeric fields at their full on-disk width (little-endian, cryptsetup layout:
+    version at 8, hash_type at 12, data_block_size at 64, hash_block_size at 68,
+    data_blocks at 72, salt_size at 80); the decoded superblock shows each value."""
     buf = bytearray(GOOD_SUPERBLOCK)
     buf[8:12] = version.to_bytes(4, "little")
-    buf[88:92] = dbs.to_bytes(4, "little")
-    buf[92:96] = hbs.to_bytes(4, "little")
-    buf[96:104] = data_blocks.to_bytes(8, "little")
-    buf[104:106] = salt_size.to_bytes(2, "little")
+    buf[12:16] = hash_type.to_bytes(4, "little")
+    buf[64:68] = dbs.to_bytes(4, "little")
+    buf[68:72] = hbs.to_bytes(4, "little")
+    buf[72:80] = data_blocks.to_bytes(8, "little")
+    buf[80:82] = salt_size.to_bytes(2, "little")
+    sb = Superblock.unpack(bytes(buf))
+    assert (sb.version, sb.hash_type, sb.data_block_size, sb.hash_block_size,
+            sb.data_blocks, sb.salt_size) == (version, hash_type, dbs, hbs, data_blocks,
+                                             salt_size)
+    assert sb.salt == GOOD_SUPERBLOCK[88:88 + min(salt_size, 256)]  # the salt is untouched
     parse(bytes(buf))
+
+
+def test_superblock_numbers_land_in_their_fields():
+    """The fuzzed offsets are the fields: the good values written back give the good
+    superblock, and a bad one at each offset is refused by that field's message."""
+    for offset, width, bad, message in ((64, 4, 1000, "unsupported data block size 1000"),
+                                        (68, 4, 768, "unsupported hash block size 768"),
+                                        (72, 8, 0, "data-blocks: 0"),
+                                        (80, 2, 257, "salt_size 257 exceeds 256")):
+        buf = bytearray(GOOD_SUPERBLOCK)
+        buf[offset:offset + width] = bad.to_bytes(width, "little")
+        try:
+            params_from_superblock(Superblock.unpack(bytes(buf)).validate())
+        except VerityError as e:
+            assert message in str(e)
+        else:
+            raise AssertionError(f"offset {offset}: {bad} was accepted")
 
 
 @FUZZ

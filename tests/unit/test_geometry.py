@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from nbd_verity.errors import FormatError
+from nbd_verity.errors import ConfigError, FormatError
 from nbd_verity.format.geometry import TreeGeometry, hash_start_block
 from nbd_verity.format.params import VerityParams
 
@@ -42,9 +42,37 @@ def test_hash_start_block(hash_offset, hbs, superblock, start):
     assert hash_start_block(hash_offset, hbs, superblock) == start
 
 
-def test_hash_start_block_rejects_unaligned_offset():
-    with pytest.raises(FormatError, match="hash-offset: 100 is not a multiple of 512"):
-        hash_start_block(100, 4096, True)
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"hash_type": 2}, r"format: unsupported hash type 2 \(0 or 1\)"),
+    ({"hash_type": -1}, r"format: unsupported hash type -1 \(0 or 1\)"),
+    ({"algorithm": "whirlpool"}, "hash: unsupported algorithm 'whirlpool'"),
+    ({"data_block_size": 1000}, "data-block-size: 1000 is not a power of two from 512"),
+    ({"data_block_size": 256}, "data-block-size: 256 is not a power of two"),
+    ({"hash_block_size": 1 << 20}, "hash-block-size: 1048576 is not a power of two"),
+    ({"salt": bytes(257)}, "salt: 257 bytes exceeds the maximum of 256"),
+    ({"hash_offset": 100}, "hash-offset: 100 is not a multiple of 512"),
+    ({"hash_offset": -512}, "hash-offset: -512 is not a multiple of 512"),
+])
+def test_params_check_is_the_one_entry_that_refuses_each_field(fields, message):
+    """One test per rejected parameter, at the one place that validates them."""
+    with pytest.raises(ConfigError, match=message):
+        VerityParams(data_blocks=10, **fields).check()
+
+
+@pytest.mark.parametrize(("child", "parent", "offset"), [
+    (0, 0, 0), (1, 0, 32), (127, 0, 127 * 32), (128, 1, 0), (300, 2, 44 * 32),
+])
+def test_parent_slot(child, parent, offset):
+    geo = geometry(1000)  # 4096-byte hash blocks of 32-byte slots: 128 per block
+    assert geo.parent_slot(child) == (parent, offset)
+    assert geo.slot_of(0, child) == (geo.level_start[0] + parent, offset)
+
+
+@pytest.mark.parametrize(("first", "count", "run"), [
+    (0, 1, 1), (0, 128, 128), (0, 129, 128), (127, 5, 1), (130, 200, 126), (5, 0, 0),
+])
+def test_run_under_parent(first, count, run):
+    assert geometry(1000).run_under_parent(first, count) == run
 
 
 def test_single_data_block_has_no_levels():
@@ -116,9 +144,6 @@ def test_level_of_block_and_index_in_level():
     ({"data_blocks": -5}, "data-blocks: -5 .at least one block is needed"),
     ({"data_blocks": 1 << 51}, "end past the largest file offset"),  # exactly 2**63 bytes
     ({"data_blocks": 1 << 54, "dbs": 512}, "end past the largest file offset"),
-    ({"data_blocks": 10, "dbs": 1000}, "data-block-size: 1000 is not a power of two"),
-    ({"data_blocks": 10, "dbs": 256}, "data-block-size: 256 is not a power of two"),
-    ({"data_blocks": 10, "hbs": 1 << 20}, "hash-block-size: 1048576 is not a power of two"),
     ({"data_blocks": 10, "hbs": 512, "digest_size": 512}, "too small for 512-byte digests"),
     ({"data_blocks": 10, "start": 1 << 51}, "the tree would end past the largest file offset"),
 ])

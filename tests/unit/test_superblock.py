@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 
 from nbd_verity.errors import SuperblockError
+from nbd_verity.format.params import params_from_superblock
 from nbd_verity.format.superblock import SIGNATURE, SUPERBLOCK_SIZE, Superblock
 from nbd_verity.limits import block_size_ok
 
@@ -67,7 +68,7 @@ def test_unpack_ignores_bytes_past_512():
 
 
 def test_uuid_text():
-    assert sample().uuid_text == str(UUID)
+    assert params_from_superblock(sample()).uuid_text == str(UUID)
 
 
 @pytest.mark.parametrize(("offset", "fmt", "value", "message"), [
