@@ -315,7 +315,7 @@ class LevelCheck:
         for k, at in enumerate(range(0, len(slots), per_block)):
             ours = slots[at:at + per_block]
             theirs = stored[k * hbs:k * hbs + len(ours)]
-            first_child = (index + k) << geo.hpb_bits
+            first_child = geo.first_child(index + k)
             if self.untrusted[index + k]:
                 self._distrust(first_child, len(ours) // geo.slot_size)
             elif theirs != ours:

@@ -113,6 +113,11 @@ class TreeGeometry:
         return (child_index >> self.hpb_bits,
                 (child_index & (self.hashes_per_block - 1)) * self.slot_size)
 
+    def first_child(self, parent_index: int) -> int:
+        """The index (in the level below) of the first child of a block: parent_slot's
+        inverse at slot 0."""
+        return parent_index << self.hpb_bits
+
     def run_under_parent(self, first: int, count: int) -> int:
         """How many of the count children from first share first's parent."""
         return min(count, self.hashes_per_block - (first & (self.hashes_per_block - 1)))

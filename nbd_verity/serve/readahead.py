@@ -41,7 +41,7 @@ class Readahead:
         self.window = 0  # leaves in the stream's next readahead (0: no stream yet)
         geo = verifier.geo
         # data bytes one leaf covers (0: no level 0, nothing to read ahead)
-        self.leaf_bytes = geo.data_block_size << geo.hpb_bits if geo.levels else 0
+        self.leaf_bytes = geo.data_block_size * geo.hashes_per_block if geo.levels else 0
 
     def before_read(self, offset: int, length: int) -> None:
         """Prefetch what this request (offset, length) and its stream will need."""
@@ -61,7 +61,7 @@ class Readahead:
             return
         self.window = min(INITIAL_LEAVES if self.window == 0 else self.window * 2,
                           self.max_leaves)
-        start = max(first >> geo.hpb_bits, self.next_leaf)
+        start = max(geo.parent_slot(first)[0], self.next_leaf)
         end = last_leaf + self.window
         self.verifier.prefetch_leaves(start, end)
         self.next_leaf = end + 1

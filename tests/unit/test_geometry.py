@@ -66,6 +66,7 @@ def test_parent_slot(child, parent, offset):
     geo = geometry(1000)  # 4096-byte hash blocks of 32-byte slots: 128 per block
     assert geo.parent_slot(child) == (parent, offset)
     assert geo.slot_of(0, child) == (geo.level_start[0] + parent, offset)
+    assert geo.first_child(parent) == child - offset // 32
 
 
 @pytest.mark.parametrize(("first", "count", "run"), [
