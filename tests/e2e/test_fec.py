@@ -229,16 +229,18 @@ def kernel_logged(dmesg: str, message: str) -> bool:
 def test_fec_roots_2(e2e_host, tmp_path: Path):
     """roots 2: one error per codeword, or two erasures, and no more.
 
-    r2hash pins what status says after a hash block is repaired. The kernel repairs
-    level-0 hash block H (every read succeeds, the bytes are the original's) and yet ends
-    with status C and logs "metadata block H is corrupted": its first, errors-only,
-    attempt already looks up the digest of every data block of H's group (fec_read_bufs
-    calls verity_hash_for_block for each, to skip zero blocks), some of those sit under H
-    itself, and that nested lookup fails to repair H (verity_handle_err counts it). We
-    decode errors-only without looking anything up, repair H and stay V: no block ever
-    failed, nothing was wrong that was not repaired. Where a nested lookup of ours does
-    fail (r2order, r2erasure: looking for erasures) we count it as the kernel does, and
-    both say C.
+    r2hash pins what status says after a hash block is repaired. Observed with Debian's
+    6.1.0-57: the kernel repairs level-0 hash block H (every read succeeds, the bytes are
+    the original's) and yet ends with status C and logs "metadata block H is corrupted"
+    (ten times, then the rate limit): its first, errors-only, attempt already looks up
+    the digest of every data block of H's group (fec_read_bufs calls
+    verity_hash_for_block for each, to skip zero blocks), some of those sit under H
+    itself, and those nested lookups end in verity_handle_err, which counts and sets
+    hash_failed. We decode errors-only without looking anything up, repair H, count no
+    corruption and stay V: no read failed and nothing was wrong that was not repaired.
+    Where a nested lookup of ours does fail (r2order, r2erasure: looking for erasures)
+    we count a corruption as the kernel does, and both say C. r2fix and r2unread (only
+    data damage, all repaired) stay V on both.
     """
     base = fec_format(tmp_path / "base", "r2", SIZE, roots=2, seed=20241201)
     work = tmp_path / "run"
