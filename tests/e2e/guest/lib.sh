@@ -121,3 +121,55 @@ host_wait() {
         sleep 0.1
     done
 }
+
+# verity_open_fec NAME DATA_DEV HASH_DEV FEC_DEV ROOTS ROOT_HASH: the kernel's dm-verity
+# with Reed-Solomon parity on FEC_DEV (veritysetup open --fec-device --fec-roots); prints
+# the dm-N name of the new device.
+verity_open_fec() {
+    veritysetup open "/dev/$2" "$1" "/dev/$3" "$6" --fec-device "/dev/$4" --fec-roots "$5"
+    dm_name "$1"
+}
+
+# block_scan_sha DEV OUT [CHUNK]: what block_scan does (OUT.failing: "INDEX ERRNO" lines,
+# same reads in the same order), and the SHA-256 of everything read, each failing block
+# counted as 4096 zero bytes (OUT.sha256): the bytes that did read are checked too.
+block_scan_sha() {
+    python3 - "/dev/$1" "$E2E_WORK/$2" "${3:-1048576}" <<'PY'
+import hashlib, mmap, os, sys
+device, out, chunk = sys.argv[1], sys.argv[2], int(sys.argv[3])
+bs = 4096
+big = mmap.mmap(-1, chunk)  # O_DIRECT wants an aligned buffer
+one = memoryview(big)[:bs]
+sha, failures = hashlib.sha256(), []
+fd = os.open(device, os.O_RDONLY | os.O_DIRECT)
+blocks = os.lseek(fd, 0, os.SEEK_END) // bs
+for first in range(0, blocks, chunk // bs):
+    count = min(chunk // bs, blocks - first)
+    if count > 1:
+        view = memoryview(big)[:count * bs]
+        try:
+            if os.preadv(fd, [view], first * bs) == count * bs:
+                sha.update(view)
+                continue
+        except OSError:
+            pass
+    for index in range(first, first + count):
+        try:
+            got = os.preadv(fd, [one], index * bs)
+        except OSError as e:
+            failures.append((index, e.errno))
+            sha.update(bytes(bs))
+            continue
+        if got != bs:
+            failures.append((index, 0))
+            sha.update(bytes(bs))
+        else:
+            sha.update(one)
+os.close(fd)
+with open(out + ".failing", "w") as f:
+    f.writelines(f"{index} {errno}\n" for index, errno in failures)
+with open(out + ".sha256", "w") as f:
+    f.write(sha.hexdigest() + "\n")
+print(f"block_scan_sha {device}: {len(failures)} failing blocks")
+PY
+}
