@@ -117,7 +117,7 @@ def test_serve_with_root_hash_file_and_error_mode(default_image, servers, tmp_pa
 
 SETPRIV = "/usr/bin/setpriv"
 # Root reads any file whatever its mode; without these capabilities it cannot (see
-# tests/unit/test_cli_rejects.py).
+# tests/cli/test_cli_rejects.py).
 NO_DAC = [SETPRIV, "--inh-caps=-dac_override,-dac_read_search",
           "--bounding-set=-dac_override,-dac_read_search"]
 
