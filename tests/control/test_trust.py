@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from pki import make_identity, smime_sign
 
+from ..pki import make_identity, smime_sign
 from .harness import ctl
 
 

@@ -13,10 +13,11 @@ import random
 from pathlib import Path
 
 import pytest
-from damage import flip_byte, write_at
 
 from nbd_verity.fec import image as fec_image
 from nbd_verity.format.params import VerityParams, parse_uuid
+
+from ..damage import flip_byte, write_at
 
 
 def make_params(tools, size: int, bs: int) -> VerityParams:

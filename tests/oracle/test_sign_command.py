@@ -13,7 +13,8 @@ import shutil
 import subprocess
 
 import pytest
-from pki import make_identity, oracle_verify, smime_sign
+
+from ..pki import make_identity, oracle_verify, smime_sign
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from pki import (
+
+from nbd_verity.errors import SignatureError
+from nbd_verity.trust.certs import load_trusted_certs
+from nbd_verity.trust.sidecar import parse_root_hash_text
+from nbd_verity.trust.signature import check_root_hash_signature, verify_detached
+from nbd_verity.trust.signing import sign_root_hash
+
+from ..pki import (
     ROOT_HEX,
     cms_sign,
     make_expired_identity,
@@ -23,12 +30,6 @@ from pki import (
     oracle_verify,
     smime_sign,
 )
-
-from nbd_verity.errors import SignatureError
-from nbd_verity.trust.certs import load_trusted_certs
-from nbd_verity.trust.sidecar import parse_root_hash_text
-from nbd_verity.trust.signature import check_root_hash_signature, verify_detached
-from nbd_verity.trust.signing import sign_root_hash
 
 
 @pytest.fixture(scope="module")

@@ -12,10 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from damage import flip_byte
-from golden import GOLDEN, IDS, SALT
 
 from nbd_verity.format.digest import supported_algorithms
+
+from ..damage import flip_byte
+from ..golden import GOLDEN, IDS, SALT
 
 KIB, MIB = 1 << 10, 1 << 20
 

@@ -12,7 +12,8 @@ import tempfile
 
 import nbd
 import pytest
-from serverlib import (
+
+from .serverlib import (
     DEFAULT_ENGINE,
     MIB,
     NBD_VERITY,

@@ -27,10 +27,11 @@ from pathlib import Path
 
 import nbd
 import pytest
-from damage import flip_byte, write_at  # noqa: F401  (re-exported to the tests)
 
 from nbd_verity.control.protocol import checked_request
 from nbd_verity.launch import Launched, run_to_end
+
+from ..damage import flip_byte, write_at  # noqa: F401  (re-exported to the tests)
 
 PROJECT = Path(__file__).resolve().parents[2]
 PLUGIN = PROJECT / "plugin.py"

@@ -9,10 +9,11 @@ unverified block, and what the level-0 cache keeps or evicts.
 from __future__ import annotations
 
 import pytest
-from serverlib import MIB, expect_eio, flip_byte
 
 from nbd_verity.serve.config import config_from_pairs
 from nbd_verity.serve.device import Connection, Device
+
+from .serverlib import MIB, expect_eio, flip_byte
 
 # offset, count: unaligned, several level-0 blocks; the first runs to the device's end (so
 # readahead has nothing past it to fetch), the second stops in the middle.

@@ -15,7 +15,8 @@ import threading
 
 import nbd
 import pytest
-from serverlib import close_handle, raw_connect, raw_read_reply, raw_read_request
+
+from .serverlib import close_handle, raw_connect, raw_read_reply, raw_read_request
 
 FIO = shutil.which("fio") or "/usr/bin/fio"
 NBDCOPY = shutil.which("nbdcopy") or "/usr/bin/nbdcopy"

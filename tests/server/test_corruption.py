@@ -9,7 +9,8 @@ from __future__ import annotations
 import subprocess
 
 import pytest
-from serverlib import (
+
+from .serverlib import (
     ENGINES,
     MIB,
     close_handle,

@@ -8,7 +8,11 @@ itself: the pure engine never imports nbd_verity.format._native, so its .so is n
 from __future__ import annotations
 
 import pytest
-from serverlib import (
+
+from nbd_verity.format.digest import engine_name
+from nbd_verity.launch import run_to_end
+
+from .serverlib import (
     DEFAULT_ENGINE,
     ENGINES,
     MIB,
@@ -19,9 +23,6 @@ from serverlib import (
     random_bytes,
     server_env,
 )
-
-from nbd_verity.format.digest import engine_name
-from nbd_verity.launch import run_to_end
 
 BAD = 200  # a corrupted data block, inside the second 256 KiB pool chunk of a 1 MiB read
 

@@ -13,9 +13,10 @@ import os
 
 import nbd
 import pytest
-from serverlib import expect_eio, random_bytes
 
 from nbd_verity.limits import MAX_REQUEST_SIZE
+
+from .serverlib import expect_eio, random_bytes
 
 
 def read_all_or_eio(h, image, chunk: int = 64 << 10) -> list[int]:

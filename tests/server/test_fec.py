@@ -21,7 +21,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
-from serverlib import (
+
+from .serverlib import (
     ENGINES,
     MIB,
     NBD_VERITY,
@@ -35,7 +36,7 @@ from serverlib import (
     run_refusal,
     write_at,
 )
-from upstreams import NbdkitFile
+from .upstreams import NbdkitFile
 
 BAD = 300  # a data block of the 4 MiB image; 1024 data blocks + 9 hash blocks
 CONTENT = random_bytes(7, 4 * MIB)  # what every served image must read back

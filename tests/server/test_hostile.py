@@ -10,7 +10,11 @@ import time
 
 import nbd
 import pytest
-from serverlib import (
+
+from nbd_verity.limits import MAX_REQUEST_SIZE
+from nbd_verity.serve.nbdkit_compat import has_send_race, nbdkit_version
+
+from .serverlib import (
     MIB,
     error_number,
     expect_eio,
@@ -21,9 +25,6 @@ from serverlib import (
     raw_read_reply,
     raw_read_request,
 )
-
-from nbd_verity.limits import MAX_REQUEST_SIZE
-from nbd_verity.serve.nbdkit_compat import has_send_race, nbdkit_version
 
 SIZES = (4096, 65536, MIB, 4 * MIB)
 IN_FLIGHT = (2, 4, 8, 16)

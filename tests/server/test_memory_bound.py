@@ -19,7 +19,8 @@ import threading
 import uuid
 
 import pytest
-from serverlib import MIB, PROJECT, VERITYSETUP, Image
+
+from .serverlib import MIB, PROJECT, VERITYSETUP, Image
 
 sys.path.insert(0, str(PROJECT / "bench"))
 from zerotree import write_zero_tree, zero_params

@@ -8,7 +8,8 @@ import zlib
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from serverlib import (
+
+from .serverlib import (
     ENGINES,
     MIB,
     expect_eio,

@@ -12,9 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from pki import Identity, make_identity
-from serverlib import MIB, NBD_VERITY, random_bytes, run_refusal, veritysetup_format
-from upstreams import Lighttpd
+
+from ..pki import Identity, make_identity
+from .serverlib import MIB, NBD_VERITY, random_bytes, run_refusal, veritysetup_format
+from .upstreams import Lighttpd
 
 SIZE = 2 * MIB
 

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import nbd
 import pytest
-from serverlib import (
+
+from .serverlib import (
     MIB,
     control_request,
     error_number,
@@ -27,7 +28,7 @@ from serverlib import (
     make_image,
     random_bytes,
 )
-from upstreams import Lighttpd, NbdkitFile
+from .upstreams import Lighttpd, NbdkitFile
 
 CHUNK = 64 << 10
 

@@ -12,7 +12,8 @@ import subprocess
 from dataclasses import replace
 
 import pytest
-from serverlib import (
+
+from .serverlib import (
     MIB,
     VERITYSETUP,
     expect_eio,

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from pki import ROOT_HEX, Identity, make_identity, smime_sign
-from serverlib import (
+
+from ..pki import ROOT_HEX, Identity, make_identity, smime_sign
+from .serverlib import (
     MIB,
     NBD_VERITY,
     NBDKIT,

@@ -10,7 +10,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from serverlib import NBD_VERITY, NBDKIT, PLUGIN, Image, flip_byte, run_refusal
+
+from .serverlib import NBD_VERITY, NBDKIT, PLUGIN, Image, flip_byte, run_refusal
 
 
 def plugin_argv(image: Image, sockdir: str, **keys) -> list[str]:

@@ -6,11 +6,12 @@ from __future__ import annotations
 import os
 
 import pytest
-from serverlib import MIB, control_request, flip_byte
 
 from nbd_verity.errors import CorruptionError
 from nbd_verity.serve.config import config_from_pairs
 from nbd_verity.serve.device import Connection, Device
+
+from .serverlib import MIB, control_request, flip_byte
 
 TAIL = (1 * MIB + 12345, 3 * MIB - 12345)  # to the device's end: nothing to read ahead
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from serverlib import expect_eio
+from .serverlib import expect_eio
 
 
 def log_lines(server, *needles: str) -> list[str]:

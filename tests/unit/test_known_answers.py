@@ -10,10 +10,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from golden import DATA_SIZE, GOLDEN, IDS
 
 from nbd_verity.format.builder import build_tree, verify_image
 from nbd_verity.format.params import VerityParams
+
+from ..golden import DATA_SIZE, GOLDEN, IDS
 
 
 @pytest.fixture(scope="module")

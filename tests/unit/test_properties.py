@@ -18,13 +18,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from click.testing import CliRunner
-from damage import flip_byte
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nbd_verity.cli import main
 from nbd_verity.format.builder import build_tree
 from nbd_verity.format.params import VerityParams
+
+from ..damage import flip_byte
 
 # Algorithms whose hashlib name equals veritysetup's, so the model can call hashlib directly.
 MODEL_ALGORITHMS = ["sha256", "sha1", "md5", "sha512", "sha224"]

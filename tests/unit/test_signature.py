@@ -12,7 +12,6 @@ import os
 from datetime import UTC, datetime
 
 import pytest
-from pki import ROOT_HEX, make_expired_identity, make_identity, openssl, smime_sign
 
 from nbd_verity.errors import ConfigError, NoTrustedCertificates, SidecarError, SignatureError
 from nbd_verity.trust.certs import certificate_files, load_trusted_certs
@@ -26,6 +25,8 @@ from nbd_verity.trust.sidecar import (
 )
 from nbd_verity.trust.signature import check_root_hash_signature, signed_content, verify_detached
 from nbd_verity.trust.signing import sign_root_hash
+
+from ..pki import ROOT_HEX, make_expired_identity, make_identity, openssl, smime_sign
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,1 @@
+"""Tests of nbd-verity (pytest imports them as the package tests)."""
