@@ -7,6 +7,11 @@ here, so a root hash given either way is read and checked the same.
 from __future__ import annotations
 
 from ..errors import ConfigError
+from ..sources.source import read_small_file
+
+# A root hash file holds one hex digest (at most 64 bytes, 128 hex digits) and white
+# space: anything this large is not one.
+MAX_ROOT_HASH_FILE_SIZE = 4096
 
 
 def root_bytes(text: str) -> bytes:
@@ -28,11 +33,10 @@ def root_digest(text: str, digest_size: int) -> bytes:
 
 def read_root_hash_file(path: str) -> str:
     """The hex text of a root hash file (surrounding white space dropped)."""
+    blob = read_small_file(path, MAX_ROOT_HASH_FILE_SIZE, ConfigError,
+                           label=f"root-hash-file: {path}")
     try:
-        with open(path) as f:
-            return f.read().strip()
-    except OSError as e:
-        raise ConfigError(f"root-hash-file: {path}: {e.strerror}") from None
+        return blob.decode().strip()
     except UnicodeDecodeError:
         raise ConfigError(f"root-hash-file: {path}: not a text file") from None
 

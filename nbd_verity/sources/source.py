@@ -167,6 +167,46 @@ def open_image(path: str, role: str, flags: int, mode: int = 0o644) -> int:
     return fd
 
 
+def read_capped(stream, limit: int, name: str, error: type[Exception]) -> bytes:
+    """At most limit bytes of a readable stream (a file, an HTTP body), or error in one
+    line naming name: the one rule for files that are read whole (sidecars, certificates,
+    keys, root hash files)."""
+    try:
+        blob = stream.read(limit + 1)
+    except OSError as e:
+        raise error(f"{name}: {e.strerror or e}") from None
+    if len(blob) > limit:
+        raise error(f"{name}: larger than {limit} bytes")
+    return blob
+
+
+def read_small_file(path: str, limit: int, error: type[Exception],
+                    missing_ok: bool = False, label: str | None = None) -> bytes | None:
+    """A small regular file's bytes (read_capped), or None if it is missing and missing_ok.
+
+    Only a regular file is read: a FIFO would block the open until a writer came, a
+    device or a directory is not a file of bytes to read whole. label (default: the path)
+    starts every message."""
+    name = label or path
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
+    except FileNotFoundError:
+        if missing_ok:
+            return None
+        raise error(f"{name}: No such file or directory") from None
+    except OSError as e:
+        raise error(f"{name}: {e.strerror}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise error(f"{name}: not a regular file")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    with os.fdopen(fd, "rb") as f:
+        return read_capped(f, limit, name, error)
+
+
 def size_of_fd(fd: int) -> int:
     """The one rule for an image's size: st_size for a regular file; for a block device
     (st_size 0) the kernel's size of it, which a seek to its end returns (as

@@ -27,6 +27,7 @@ from asn1crypto import x509 as asn1_x509
 from cryptography import x509
 
 from ..errors import NoTrustedCertificates, SignatureError
+from ..sources.source import read_small_file
 
 # systemd's CONF_PATHS_NULSTR("verity.d"), in priority order
 DEFAULT_SEARCH_PATH = ("/etc/verity.d", "/run/verity.d", "/usr/local/lib/verity.d",
@@ -106,14 +107,7 @@ def _load_der(der: bytes, source: str) -> TrustedCert:
 
 
 def _read(path: str) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            blob = f.read(MAX_CERT_FILE_SIZE + 1)
-    except OSError as e:
-        raise SignatureError(f"{path}: {e.strerror}") from None
-    if len(blob) > MAX_CERT_FILE_SIZE:
-        raise SignatureError(f"{path}: larger than {MAX_CERT_FILE_SIZE} bytes")
-    return blob
+    return read_small_file(path, MAX_CERT_FILE_SIZE, SignatureError)
 
 
 def _masked(path: str) -> bool:

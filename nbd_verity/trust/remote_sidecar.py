@@ -22,6 +22,7 @@ import urllib.request
 from dataclasses import dataclass
 
 from ..errors import SidecarError
+from ..sources.source import read_capped
 from .sidecar import find_sidecars
 
 MAX_REMOTE_SIDECAR = 1 << 20  # a root hash or a PKCS#7 signature is far smaller
@@ -58,13 +59,7 @@ def http_read(url: str) -> bytes | None:
         length = response.headers.get("Content-Length")
         if length is not None and length.isdigit() and int(length) > MAX_REMOTE_SIDECAR:
             raise SidecarError(f"{url}: larger than {MAX_REMOTE_SIDECAR} bytes")
-        try:
-            blob = response.read(MAX_REMOTE_SIDECAR + 1)
-        except OSError as e:
-            raise SidecarError(f"{url}: {e}") from None
-    if len(blob) > MAX_REMOTE_SIDECAR:
-        raise SidecarError(f"{url}: larger than {MAX_REMOTE_SIDECAR} bytes")
-    return blob
+        return read_capped(response, MAX_REMOTE_SIDECAR, url, SidecarError)
 
 
 def http_exists(url: str) -> bool:

@@ -33,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..errors import SidecarError
+from ..sources.source import read_small_file
 
 MAX_SIDECAR_SIZE = 4 << 20  # systemd refuses a verity signature partition larger than 4 MiB
 MIN_ROOT_HASH_SIZE = 16  # systemd: shorter than an sd_id128_t is not a root hash
@@ -43,16 +44,7 @@ Reader = Callable[[str], "bytes | None"]
 
 def read_local(path: str) -> bytes | None:
     """A local file's bytes, or None when it does not exist."""
-    try:
-        with open(path, "rb") as f:
-            blob = f.read(MAX_SIDECAR_SIZE + 1)
-    except FileNotFoundError:
-        return None
-    except OSError as e:
-        raise SidecarError(f"{path}: {e.strerror}") from None
-    if len(blob) > MAX_SIDECAR_SIZE:
-        raise SidecarError(f"{path}: larger than {MAX_SIDECAR_SIZE} bytes")
-    return blob
+    return read_small_file(path, MAX_SIDECAR_SIZE, SidecarError, missing_ok=True)
 
 
 def xattr_local(path: str, name: str) -> bytes | None:

@@ -15,16 +15,15 @@ from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.hazmat.primitives.serialization import pkcs7
 
 from ..errors import SignatureError
+from ..sources.source import read_small_file
 from .certs import TrustStore, parse_pem_certificates
 from .signature import HASHES, signed_content, verify_detached
 
+MAX_PEM_FILE_SIZE = 1 << 20  # a key or certificate file: far larger than any real one
+
 
 def _read(path: str, what: str) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except OSError as e:
-        raise SignatureError(f"{what}: {path}: {e.strerror}") from None
+    return read_small_file(path, MAX_PEM_FILE_SIZE, SignatureError, label=f"{what}: {path}")
 
 
 def load_signing_key(key_pem_path: str, password: bytes | None = None):
