@@ -127,10 +127,17 @@ def check_object(url: str, options: S3Options, s3=None) -> int:
     """The object's size, read as the captive plugin will read it; a missing key, a
     missing bucket, wrong credentials or an unreachable endpoint is one ConfigError."""
     check_boto3(url)
-    s3 = s3 or _new_client(url, options)
+    size = _size(s3 or _new_client(url, options), url)
+    if size is None:
+        raise ConfigError(f"{url}: no such key")
+    return size
+
+
+def _size(s3, url: str) -> int | None:
+    """The object's size from a one-byte GET (its Content-Range), None if it is absent."""
     response = _get(s3, url, "bytes=0-0")
     if response is None:
-        raise ConfigError(f"{url}: no such key")
+        return None
     with closing(response["Body"]) as body:
         body.read()
     total = response.get("ContentRange", "").rpartition("/")[2]
@@ -172,12 +179,6 @@ def sidecar_reader(options: S3Options):
         return blob
 
     def exists(url: str) -> bool:
-        try:
-            check_object(url, options, shared(url))
-        except ConfigError as e:
-            if str(e).endswith("no such key"):
-                return False
-            raise
-        return True
+        return _size(shared(url), url) is not None
 
     return read, exists
