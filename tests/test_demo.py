@@ -21,5 +21,9 @@ def test_demo_walkthrough_succeeds(tmp_path):
     fec = done.stdout.split("Format again with --fec-device")[-1]
     assert "read data block 12345: the original bytes" in fec
     assert "fec_corrected 1  fec_failed 0" in fec
+    # S3: a flipped byte in the bucket fails its block, and only it.
+    s3 = done.stdout.split("a local S3 store")[-1]
+    assert "read data block 12345 over S3: Input/output error" in s3
+    assert "read data block 12346 over S3: ok" in s3
     with open("/proc/mounts") as mounts:
         assert str(tmp_path) not in mounts.read(), "the demo left a mount behind"

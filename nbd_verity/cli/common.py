@@ -113,3 +113,21 @@ def image_arguments(fn):
             trust_options)):
         fn = decorator(fn)
     return fn
+
+
+def s3_options(fn):
+    """Where s3:// images are read from and as whom (sources/s3.py): the endpoint, and
+    a profile or credentials file; secrets themselves only through the environment."""
+    for decorator in reversed((
+            click.option("--s3-endpoint", default=None, metavar="URL",
+                         help="S3 endpoint for s3:// images (MinIO, Ceph, a local store; "
+                              "default: AWS)."),
+            click.option("--s3-profile", default=None, metavar="NAME",
+                         help="Profile of the AWS credentials file for s3:// images."),
+            click.option("--s3-credentials", default=None, metavar="FILE",
+                         type=click.Path(exists=True, dir_okay=False),
+                         help="AWS shared credentials file for s3:// images (default "
+                              "~/.aws/credentials, or AWS_ACCESS_KEY_ID and "
+                              "AWS_SECRET_ACCESS_KEY in the environment)."))):
+        fn = decorator(fn)
+    return fn

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 
 import click
 
@@ -81,6 +83,37 @@ def stats_cmd(control: str, as_json: bool, reset: bool) -> None:
         click.echo(json.dumps(reply))
         return
     click.echo(format_stats(reply["stats"]))
+
+
+@ctl.command("metrics")
+@click.option("--output", "-o", default=None, metavar="FILE",
+              help="Write to FILE (atomically: a temporary file renamed over it), as "
+                   "node_exporter's textfile collector wants; default standard output.")
+@click.pass_obj
+@edge
+def metrics_cmd(control: str, output: str | None) -> None:
+    """The counters and per-class latency in Prometheus' text exposition format."""
+    from ..control.metrics import exposition
+    text = exposition(checked(control, {"cmd": "stats"})["stats"])
+    if output is None:
+        click.echo(text, nl=False)
+        return
+    write_atomically(output, text)
+
+
+def write_atomically(path: str, text: str) -> None:
+    """PATH replaced in one rename, so a collector never reads half a file."""
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, temporary = tempfile.mkstemp(prefix=".nbd-verity-", suffix=".prom.tmp",
+                                     dir=directory)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.chmod(temporary, 0o644)  # metrics, not secrets: the collector's user reads it
+        os.replace(temporary, path)
+    except BaseException:
+        os.unlink(temporary)
+        raise
 
 
 def _us(value) -> str:

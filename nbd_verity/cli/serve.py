@@ -3,8 +3,8 @@
 The options become the plugin's key=value pairs through config.KEYS (config.plugin_pairs),
 the one table of plugin keys; the listening options become nbdkit's own. DATA and HASH
 are paths, NBD URIs, or http(s):// and s3:// URLs, for which captive upstream nbdkits are
-started first (upstream.attach). For an http(s) DATA without HASH or ROOT_HASH, the
-sidecars beside the URL are looked up over HTTP first (trust.remote_sidecar).
+started first (upstream.attach). For an http(s) or s3 DATA without HASH or ROOT_HASH, the
+sidecars beside the URL are looked up first (trust.remote_sidecar; sources.s3).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import click
 
 from ..serve.config import IGNORE_CORRUPTION, PARALLEL, RESTART_ON_CORRUPTION, THREAD_MODELS
-from .common import edge, fec_options, image_arguments
+from .common import edge, fec_options, image_arguments, s3_options
 
 
 @click.command("serve")
@@ -60,10 +60,11 @@ from .common import edge, fec_options, image_arguments
               help="For http(s)/s3 images: nbdkit's cache filter below verification.")
 @click.option("--upstream-cache-size", default=None, metavar="SIZE",
               help="Bound of that cache (nbdkit's cache-max-size, e.g. 1G).")
+@s3_options
 @edge
 def serve_cmd(ignore_corruption, restart_on_corruption, unix, port, bind, threads, pid_file,
               exit_with_parent, verbose, upstream_cache, upstream_cache_size,
-              **options) -> None:
+              s3_endpoint, s3_profile, s3_credentials, **options) -> None:
     """Serve DATA over NBD, verifying every byte against HASH and ROOT_HASH (or the
     IMAGE.verity, IMAGE.roothash and IMAGE.roothash.p7s beside DATA).
 
@@ -72,6 +73,7 @@ def serve_cmd(ignore_corruption, restart_on_corruption, unix, port, bind, thread
     from ..launch import check_listen
     from ..serve.config import plugin_pairs  # the server side, imported only to serve
     from ..serve.startup import exec_server
+    from ..sources.s3 import S3Options
     from ..sources.upstream import UpstreamOptions, attach
     if ignore_corruption and restart_on_corruption:
         raise click.UsageError("--ignore-corruption and --restart-on-corruption conflict")
@@ -80,9 +82,10 @@ def serve_cmd(ignore_corruption, restart_on_corruption, unix, port, bind, thread
             raise click.UsageError("--parallel conflicts with --thread-model")
         options["serialize"], options["thread_model"] = None, PARALLEL
     check_listen({"unix": unix, "port": port})
-    _remote_sidecars(options)
+    s3 = S3Options(s3_endpoint, s3_profile, s3_credentials)
+    _remote_sidecars(options, s3)
     images = {role: options[role] for role in ("data", "hash_image") if options[role]}
-    options.update(attach(images, UpstreamOptions(upstream_cache, upstream_cache_size)))
+    options.update(attach(images, UpstreamOptions(upstream_cache, upstream_cache_size, s3)))
     options["error_mode"] = (IGNORE_CORRUPTION if ignore_corruption else
                              RESTART_ON_CORRUPTION if restart_on_corruption else None)
     exec_server(plugin_pairs(options),
@@ -91,17 +94,22 @@ def serve_cmd(ignore_corruption, restart_on_corruption, unix, port, bind, thread
                  "verbose": verbose})
 
 
-def _remote_sidecars(options: dict) -> None:
+def _remote_sidecars(options: dict, s3) -> None:
     """Fill in HASH, ROOT_HASH and the signature from URL.verity, URL.roothash and
-    URL.roothash.p7s when DATA is an http(s) URL and HASH or ROOT_HASH is missing."""
+    URL.roothash.p7s when DATA is an http(s) or s3 URL and HASH or ROOT_HASH is missing."""
     from ..errors import ConfigError
-    from ..trust.remote_sidecar import discover, is_http, write_private
+    from ..sources.s3 import check_object, is_s3, sidecar_reader
+    from ..trust.remote_sidecar import discover, has_remote_sidecars, write_private
     from ..trust.sidecar import auxiliary_path
     root_given = options["root_hash"] is not None or options["root_hash_file"] is not None
-    if not is_http(options["data"]) or (options["hash_image"] and root_given):
+    if not has_remote_sidecars(options["data"]) or (options["hash_image"] and root_given):
         return
+    readers = ()
+    if is_s3(options["data"]):  # the image itself first: its refusal names it
+        check_object(options["data"], s3)
+        readers = sidecar_reader(s3)
     found = discover(options["data"], options["hash_image"], root_given,
-                     options["root_hash_signature"] is not None)
+                     options["root_hash_signature"] is not None, *readers)
     data = options["data"]
     if not options["hash_image"] and found.hash_image is None:
         raise ConfigError(f"hash: missing (give the hash image, or put "

@@ -1,16 +1,20 @@
-"""The demo's remote step: the same image on an HTTP server (lighttpd on 127.0.0.1), served
-verified by `nbd-verity serve http://...`, which starts nbdkit's curl plugin itself.
+"""The demo's remote steps: the same image on an HTTP server (lighttpd on 127.0.0.1) and in
+an S3 bucket (moto's S3 server on 127.0.0.1), served verified by `nbd-verity serve
+http://...` and `serve s3://...`, which start nbdkit's curl and S3 plugins themselves.
 
-lighttpd runs with a private configuration in the work directory and is stopped by its
-pid; the verifying server too (its captive upstreams follow it: --exit-with-parent).
+lighttpd and moto run with a private configuration in the work directory and are stopped
+by their pids; the verifying server too (its captive upstreams follow it:
+--exit-with-parent).
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import shutil
 import socket
+import sys
 import tempfile
 from pathlib import Path
 
@@ -58,6 +62,49 @@ class Lighttpd(Launched):
         return f"http://127.0.0.1:{self.port}/{name}"
 
 
+class MotoS3(Launched):
+    """moto's S3 server on 127.0.0.1:port (in memory: a restart empties it), with a
+    boto3 client to fill it. With auth_free, moto checks signatures against its IAM
+    users after that many requests (INITIAL_NO_AUTH_ACTION_COUNT)."""
+
+    REGION = "us-east-1"
+
+    def __init__(self, workdir: Path, port: int | None = None,
+                 auth_free: int | None = None) -> None:
+        self.port = port or free_port()
+        workdir.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ)
+        if auth_free is not None:
+            env["INITIAL_NO_AUTH_ACTION_COUNT"] = str(auth_free)
+        super().__init__([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p",
+                          str(self.port)], log_path=workdir / f"moto-{self.port}.log",
+                         env=env, name="moto_server")
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def is_ready(self) -> bool:
+        """Ready when the port accepts a connection."""
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=1.0):
+                return True
+        except OSError:
+            return False
+
+    def client(self, service: str = "s3", key_id: str = "testing", secret: str = "testing"):
+        import boto3
+        return boto3.client(service, endpoint_url=self.endpoint, region_name=self.REGION,
+                            aws_access_key_id=key_id, aws_secret_access_key=secret)
+
+    def fill(self, bucket: str, objects: dict[str, Path], s3=None) -> None:
+        """Create bucket and upload each object (key -> local file)."""
+        s3 = s3 or self.client()
+        s3.create_bucket(Bucket=bucket)
+        for key, path in objects.items():
+            s3.put_object(Bucket=bucket, Key=key, Body=Path(path).read_bytes())
+
+
 @contextlib.contextmanager
 def web_server(w: Walkthrough, docroot: Path):
     """lighttpd on a free port, stopped by its pid."""
@@ -74,7 +121,8 @@ def web_server(w: Walkthrough, docroot: Path):
 
 
 @contextlib.contextmanager
-def served_from(w: Walkthrough, name: str, data_url: str, hash_url: str, root: str):
+def served_from(w: Walkthrough, name: str, data_url: str, hash_url: str, root: str,
+                *extra: str, env: dict | None = None):
     """`nbd-verity serve URL URL ROOT` in the background; yields (socket, control)."""
     sock, ctl, pid_file = (w.workdir / f"{name}.sock", w.workdir / f"{name}.ctl",
                            w.workdir / f"{name}.pid")
@@ -82,11 +130,12 @@ def served_from(w: Walkthrough, name: str, data_url: str, hash_url: str, root: s
         path.unlink(missing_ok=True)
     runtime = tempfile.mkdtemp(prefix="nvd-")  # the upstream sockets (short: sun_path)
     argv = ["serve", data_url, hash_url, root, "--unix", sock.name, "--control", ctl.name,
-            "--pid-file", pid_file.name]
+            "--pid-file", pid_file.name, *extra]
     w.say(f"$ nbd-verity {' '.join(argv)} &")
     server = Launched([w.cli, *argv], socket=sock, pid_file=pid_file, control=ctl,
                       log_path=w.workdir / f"{name}.log", cwd=w.workdir,
-                      env={**os.environ, "RUNTIME_DIRECTORY": runtime}, name="the server")
+                      env={**(env or os.environ), "RUNTIME_DIRECTORY": runtime},
+                      name="the server")
     try:
         try:
             server.start(timeout=READY_TIMEOUT_S)
@@ -128,7 +177,43 @@ def serve_from_http(w: Walkthrough) -> None:
             raise StepFailed("the corrupted block was not caught, or the source failed")
 
 
-def _compare_around_the_corruption(w: Walkthrough, sock: Path) -> None:
+def serve_from_s3(w: Walkthrough) -> None:
+    """Serve the image from an S3 bucket (moto's S3 server here; any S3 store with
+    --s3-endpoint): nbdkit's S3 plugin below, verified above; then replace the object
+    with one that has a flipped byte: only that block fails."""
+    if importlib.util.find_spec("moto") is None:
+        raise StepFailed("moto is not installed (`make setup` installs it)")
+    store = MotoS3(w.workdir / "s3-conf")
+    w.say(f"$ python -m moto.server -H 127.0.0.1 -p {store.port} &   # a local S3 store")
+    try:
+        store.start(timeout=READY_TIMEOUT_S)
+    except VerityError as e:
+        raise StepFailed(str(e)) from None
+    with store:
+        store.fill("demo-images", {"disk.raw": w.data, "disk.verity": w.hash})
+        w.say("uploaded the image to s3://demo-images/disk.raw and disk.verity")
+        damaged = w.workdir / "s3-disk.raw"
+        shutil.copyfile(w.data, damaged)
+        flip_byte(damaged, CORRUPT_DATA_BLOCK * 4096 + 7)
+        store.client().put_object(Bucket="demo-images", Key="disk.raw",
+                                  Body=damaged.read_bytes())
+        damaged.unlink()
+        w.say(f"replaced it with a copy that has one byte of data block "
+              f"{CORRUPT_DATA_BLOCK} flipped")
+        w.say("$ export AWS_ACCESS_KEY_ID=testing AWS_SECRET_ACCESS_KEY=testing")
+        env = {**os.environ, "AWS_ACCESS_KEY_ID": "testing",
+               "AWS_SECRET_ACCESS_KEY": "testing"}
+        with served_from(w, "s3", "s3://demo-images/disk.raw", "s3://demo-images/disk.verity",
+                         w.root, "--s3-endpoint", store.endpoint, env=env) as (sock, ctl):
+            _compare_around_the_corruption(w, sock, "S3")
+            totals = checked_request(str(ctl), {"cmd": "stats"})["stats"]["totals"]
+            w.say(f"corruptions {totals['corruptions']}, source errors "
+                  f"{totals['source_errors']}")
+            if totals["corruptions"] < 1 or totals["source_errors"]:
+                raise StepFailed("the corrupted block was not caught, or the source failed")
+
+
+def _compare_around_the_corruption(w: Walkthrough, sock: Path, where: str = "HTTP") -> None:
     """Block by block near the damage: only the flipped block fails, the rest matches."""
     import errno
 
@@ -141,14 +226,15 @@ def _compare_around_the_corruption(w: Walkthrough, sock: Path) -> None:
             want = original.read(4096)
             try:
                 ok = h.pread(4096, block * 4096) == want
-                w.say(f"read data block {block} over HTTP: {'ok' if ok else 'WRONG BYTES'}")
+                w.say(f"read data block {block} over {where}: "
+                      f"{'ok' if ok else 'WRONG BYTES'}")
                 if not ok:
                     raise StepFailed(f"block {block} differs from the image")
             except nbd.Error as e:
-                w.say(f"read data block {block} over HTTP: {os.strerror(e.errnum)}")
+                w.say(f"read data block {block} over {where}: {os.strerror(e.errnum)}")
                 if block != CORRUPT_DATA_BLOCK or e.errnum != errno.EIO:
                     raise StepFailed(f"block {block}: {e}") from None
     h.shutdown()
 
 
-STEPS = (serve_from_http,)
+STEPS = (serve_from_http, serve_from_s3)

@@ -20,15 +20,14 @@ file when it exits, the empty directory stays behind outside systemd.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import tempfile
 import urllib.parse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from ..errors import ConfigError
 from ..launch import NBDKIT, START_TIMEOUT, Launched
+from . import s3
 
 REMOTE_SCHEMES = ("http", "https", "s3")
 # The retry filter's budget: 3 retries after 1, 2 and 4 s (7 s in all) keeps a request
@@ -42,6 +41,7 @@ class UpstreamOptions:
 
     cache: bool = False  # nbdkit's cache filter (cache-on-read) below verification
     cache_size: str | None = None  # the cache filter's cache-max-size, e.g. "1G"
+    s3: s3.S3Options = field(default_factory=s3.S3Options)  # endpoint and credentials
 
 
 def is_remote(text: str) -> bool:
@@ -49,19 +49,12 @@ def is_remote(text: str) -> bool:
     return urllib.parse.urlsplit(text).scheme in REMOTE_SCHEMES
 
 
-def plugin_args(url: str) -> list[str]:
+def plugin_args(url: str, options: UpstreamOptions | None = None) -> list[str]:
     """nbdkit's plugin and its keys for one URL."""
-    parts = urllib.parse.urlsplit(url)
-    if parts.scheme in ("http", "https"):
-        # protocols= keeps a redirect from leaving HTTP(S) (file://, for one)
-        return ["curl", f"url={url}", "protocols=http,https"]
-    bucket, key = parts.netloc, parts.path.lstrip("/")
-    if not bucket or not key:
-        raise ConfigError(f"{url}: an S3 URL is s3://BUCKET/KEY")
-    if importlib.util.find_spec("boto3") is None:
-        raise ConfigError(f"{url}: nbdkit's S3 plugin needs boto3, which this Python "
-                          f"cannot import (Debian: apt-get install python3-boto3)")
-    return ["S3", f"bucket={bucket}", f"key={key}"]
+    if s3.is_s3(url):
+        return s3.plugin_args(url, (options or UpstreamOptions()).s3)
+    # protocols= keeps a redirect from leaving HTTP(S) (file://, for one)
+    return ["curl", f"url={url}", "protocols=http,https"]
 
 
 def upstream_argv(url: str, socket_path: str, pid_file: str,
@@ -79,7 +72,7 @@ def upstream_argv(url: str, socket_path: str, pid_file: str,
         if options.cache_size:
             keys.append(f"cache-max-size={options.cache_size}")
     argv.append("--filter=retry")
-    return [*argv, *plugin_args(url), *keys]
+    return [*argv, *plugin_args(url, options), *keys]
 
 
 def private_directory() -> str:
@@ -92,11 +85,13 @@ def start_upstream(url: str, directory: str, name: str,
                    options: UpstreamOptions) -> tuple[str, Launched]:
     """Start one captive upstream and wait until it listens: (its URI, the process).
 
-    Its stderr is ours (the terminal or the journal), so curl's errors are seen."""
+    Its stderr is ours (the terminal or the journal), so curl's errors are seen; its
+    environment is ours too, with the S3 profile and credentials file set (s3.py)."""
     sock, pid_file = os.path.join(directory, f"{name}.sock"), os.path.join(directory,
                                                                            f"{name}.pid")
     server = Launched(upstream_argv(url, sock, pid_file, options), socket=sock,
-                      pid_file=pid_file, name=f"upstream for {name} ({url})")
+                      pid_file=pid_file, env=options.s3.environment(),
+                      name=f"upstream for {name} ({url})")
     server.proc = subprocess.Popen(server.argv, stdin=subprocess.DEVNULL,
                                    stdout=subprocess.DEVNULL, env=server.env)
     try:
@@ -110,12 +105,16 @@ def start_upstream(url: str, directory: str, name: str,
 def attach(images: dict[str, str], options: UpstreamOptions) -> dict[str, str]:
     """Replace each remote URL in images (role -> location) by the URI of its captive
     upstream; local paths and NBD URIs pass through. One URL used twice (data and tree
-    in one object) gets one upstream. Stops what it started if one fails to start."""
+    in one object) gets one upstream. Stops what it started if one fails to start.
+    Each S3 object is read once first, so that a missing key or wrong credentials is one
+    line, not a captive nbdkit that fails at its first connection."""
     remote = {role: text for role, text in images.items() if is_remote(text)}
     if not remote:
         return dict(images)
     for text in remote.values():
-        plugin_args(text)  # refuse a bad URL before starting anything
+        plugin_args(text, options)  # refuse a bad URL before starting anything
+    for text in dict.fromkeys(t for t in remote.values() if s3.is_s3(t)):
+        s3.check_object(text, options.s3)
     directory = private_directory()
     started: dict[str, str] = {}
     servers: list[Launched] = []

@@ -1,12 +1,14 @@
-"""Sidecars beside an image named by an http(s) URL: URL.verity, URL.roothash and
+"""Sidecars beside an image named by an http(s) or s3:// URL: URL.verity, URL.roothash and
 URL.roothash.p7s, found by the same rules as for a local file (sidecar.find_sidecars),
-read over HTTP instead of from the file system.
+read over HTTP, or from the same bucket (sources/s3.py), instead of from the file system.
 
 `serve https://host/disk.raw` with no HASH or ROOT_HASH calls discover() before it
 starts its captive upstreams: the hash image stays a URL (upstream.attach serves it like
 the data), the root hash becomes its hex, and a signature is written to a private 0600
 file handed to the plugin as root-hash-signature, so it is checked exactly as a local
-one. Only http and https: S3 objects are not searched for sidecars.
+one. For s3://BUCKET/KEY the sidecars are the objects KEY.verity, KEY.roothash and
+KEY.roothash.p7s in the same bucket, read with the same endpoint and credentials
+(the caller passes sources.s3.sidecar_reader as read and exists).
 
 Nothing fetched here is trusted: a root hash is only as good as its signature, which the
 plugin checks against the trusted certificates (and requires with require-signatures).
@@ -32,6 +34,11 @@ ABSENT = (404, 410)
 
 def is_http(text: str) -> bool:
     return urllib.parse.urlsplit(text).scheme in ("http", "https")
+
+
+def has_remote_sidecars(text: str) -> bool:
+    """An image URL whose sidecars discover() can look for (http, https, s3)."""
+    return urllib.parse.urlsplit(text).scheme in ("http", "https", "s3")
 
 
 def _open(url: str, method: str = "GET", headers: dict | None = None):
@@ -85,9 +92,11 @@ class RemoteSidecars:
 
 
 def discover(data: str, hash_image: str | None, root_hash_given: bool,
-             signature_given: bool) -> RemoteSidecars:
-    """Look beside the URL DATA for what was not given (see the module docstring)."""
-    found = find_sidecars(data, read=http_read, exists=http_exists, xattr=None,
+             signature_given: bool, read=http_read, exists=http_exists) -> RemoteSidecars:
+    """Look beside the URL DATA for what was not given (see the module docstring).
+    read and exists reach DATA's store: HTTP here, sources.s3.sidecar_reader for s3://
+    (passed in by the caller: trust/ imports nothing below the top of the package)."""
+    found = find_sidecars(data, read=read, exists=exists, xattr=None,
                           root_hash_given=root_hash_given)
     used: list[str] = []
     new_hash = None

@@ -1,5 +1,6 @@
 """Real upstream servers for the remote-source tests: lighttpd serving image files over
-HTTP on 127.0.0.1, and plain nbdkit `file` servers (optionally behind nbdkit filters).
+HTTP on 127.0.0.1, moto's S3 server on 127.0.0.1, and plain nbdkit `file` servers
+(optionally behind nbdkit filters).
 
 Each is a process started in the foreground with a private configuration in the test's
 temporary directory, awaited by a check of the server itself (its pid file, its socket
@@ -11,10 +12,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from nbd_verity.demo.remote import Lighttpd, free_port
+from nbd_verity.demo.remote import Lighttpd, MotoS3, free_port
 from nbd_verity.launch import NBDKIT, Launched
 
-__all__ = ["Lighttpd", "NbdkitFile"]  # lighttpd's helper is the demo's, used as it is
+__all__ = ["Lighttpd", "MotoS3", "NbdkitFile"]  # the demo's lighttpd and moto, as they are
 
 
 class NbdkitFile(Launched):
@@ -44,3 +45,4 @@ class NbdkitFile(Launched):
         if self.port is not None:
             return f"nbd://127.0.0.1:{self.port}/"
         return f"nbd+unix:///?socket={self.sock}"
+

@@ -7,7 +7,7 @@ import pytest
 
 from nbd_verity.errors import ConfigError
 from nbd_verity.serve.config import config_from_pairs, plugin_pairs
-from nbd_verity.sources import upstream
+from nbd_verity.sources import s3, upstream
 from nbd_verity.sources.remote import check_uri, is_uri, redacted
 
 ROOT = "ab" * 32
@@ -62,19 +62,39 @@ def test_upstream_argv_http_with_cache():
 
 
 def test_upstream_argv_s3(monkeypatch):
-    monkeypatch.setattr(upstream.importlib.util, "find_spec", lambda name: object())
+    monkeypatch.setattr(s3.importlib.util, "find_spec", lambda name: object())
     argv = upstream.upstream_argv("s3://bucket/dir/disk.raw", "/s", "/p",
                                   upstream.UpstreamOptions())
     assert argv[-6:-3] == ["S3", "bucket=bucket", "key=dir/disk.raw"]
     assert "--filter=cache" not in argv
+    assert not any(a.startswith("endpoint-url=") for a in argv)
+
+
+def test_upstream_argv_s3_endpoint_and_no_secrets(monkeypatch):
+    """The endpoint is a plugin key; credentials are never on the command line."""
+    monkeypatch.setattr(s3.importlib.util, "find_spec", lambda name: object())
+    options = upstream.UpstreamOptions(s3=s3.S3Options(
+        endpoint_url="http://127.0.0.1:9000", profile="images", credentials_file="/k/aws"))
+    argv = upstream.upstream_argv("s3://bucket/disk.raw", "/s", "/p", options)
+    assert "endpoint-url=http://127.0.0.1:9000" in argv
+    assert not any(a.split("=")[0] in ("access-key", "secret-key", "session-token")
+                   for a in argv)
+    env = options.s3.environment({"PATH": "/bin"})
+    assert env == {"PATH": "/bin", "AWS_PROFILE": "images",
+                   "AWS_SHARED_CREDENTIALS_FILE": "/k/aws"}
 
 
 def test_s3_without_boto3_is_refused(monkeypatch):
-    monkeypatch.setattr(upstream.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(s3.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ConfigError, match="needs boto3"):
         upstream.plugin_args("s3://bucket/disk.raw")
+
+
+@pytest.mark.parametrize("url", ["s3://bucket", "s3://bucket/", "s3:///key",
+                                 "s3://bucket/key?versionId=1"])
+def test_malformed_s3_urls_are_refused(url):
     with pytest.raises(ConfigError, match=r"s3://BUCKET/KEY"):
-        upstream.plugin_args("s3://bucket")
+        upstream.plugin_args(url)
 
 
 def test_attach_passes_local_and_nbd_through():
