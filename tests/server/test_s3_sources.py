@@ -18,8 +18,9 @@ from pathlib import Path
 
 import nbd
 import pytest
-from pki import make_identity
-from serverlib import (
+
+from ..pki import make_identity
+from .serverlib import (
     MIB,
     NBD_VERITY,
     control_request,
@@ -30,7 +31,7 @@ from serverlib import (
     random_bytes,
     run_refusal,
 )
-from upstreams import MotoS3
+from .upstreams import MotoS3
 
 BUCKET = "images"
 CHUNK = 64 << 10
