@@ -12,7 +12,7 @@ from __future__ import annotations
 import click
 
 from ..serve.config import IGNORE_CORRUPTION, PARALLEL, RESTART_ON_CORRUPTION, THREAD_MODELS
-from .common import edge, fec_options, image_arguments
+from .common import ddi_arguments, edge, fec_options, image_arguments
 
 
 @click.command("serve")
@@ -80,7 +80,9 @@ def serve_cmd(ignore_corruption, restart_on_corruption, unix, port, bind, thread
             raise click.UsageError("--parallel conflicts with --thread-model")
         options["serialize"], options["thread_model"] = None, PARALLEL
     check_listen({"unix": unix, "port": port})
-    _remote_sidecars(options)
+    ddi_arguments(options)
+    if options["partition"] is None:
+        _remote_sidecars(options)
     images = {role: options[role] for role in ("data", "hash_image") if options[role]}
     options.update(attach(images, UpstreamOptions(upstream_cache, upstream_cache_size)))
     options["error_mode"] = (IGNORE_CORRUPTION if ignore_corruption else
@@ -95,7 +97,8 @@ def _remote_sidecars(options: dict) -> None:
     """Fill in HASH, ROOT_HASH and the signature from URL.verity, URL.roothash and
     URL.roothash.p7s when DATA is an http(s) URL and HASH or ROOT_HASH is missing."""
     from ..errors import ConfigError
-    from ..trust.remote_sidecar import discover, is_http, write_private
+    from ..format.gpt import HEAD_SIZE, starts_with_gpt
+    from ..trust.remote_sidecar import discover, http_head, is_http, write_private
     from ..trust.sidecar import auxiliary_path
     root_given = options["root_hash"] is not None or options["root_hash_file"] is not None
     if not is_http(options["data"]) or (options["hash_image"] and root_given):
@@ -104,6 +107,9 @@ def _remote_sidecars(options: dict) -> None:
                      options["root_hash_signature"] is not None)
     data = options["data"]
     if not options["hash_image"] and found.hash_image is None:
+        if starts_with_gpt(http_head(data, HEAD_SIZE)):
+            options["partition"] = "auto"  # a DDI: the plugin reads its GPT
+            return
         raise ConfigError(f"hash: missing (give the hash image, or put "
                           f"{auxiliary_path(data, '.verity')} beside the image)")
     if not root_given and found.root_hash is None:
