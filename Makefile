@@ -4,7 +4,7 @@ VENV := $(CURDIR)/.venv
 PY := $(VENV)/bin/python
 DEB_PACKAGES := nbdkit nbdkit-plugin-python python3-libnbd libnbd-bin fio cryptsetup-bin \
 	nbd-client python3-venv python3-asn1crypto python3-cryptography nbdfuse fuse3 e2fsprogs \
-	util-linux openssl qemu-system-x86 socat busybox-static dmsetup iproute2 systemd \
+	util-linux openssl qemu-system-x86 socat busybox-static dmsetup iproute2 systemd fdisk \
 	gcc python3-dev libssl-dev lighttpd python3-boto3
 
 .PHONY: setup demo test lint bench bench-format bench-fec bench-latency e2e e2e-bench soak clean

@@ -6,7 +6,8 @@
      │    └── SignatureError    a root-hash signature we refuse (malformed, untrusted, mismatch)
      │         └── NoTrustedCertificates   no certificate to check a signature against
      ├── FormatError            an image that is not a valid verity layout
-     │    └── SuperblockError   a superblock defect (magic, version, hash type, sizes)
+     │    ├── SuperblockError   a superblock defect (magic, version, hash type, sizes)
+     │    └── PartitionTableError  a GPT that is missing, damaged, or holds no verity triple
      ├── ImageIOError           an image that cannot be opened or read (missing, truncated)
      └── CorruptionError        a block whose digest does not match the trusted tree
           ├── DataCorruption    a data block (the kernel's "data block N is corrupted")
@@ -44,6 +45,11 @@ class FormatError(VerityError):
 
 class SuperblockError(FormatError):
     """A verity superblock that fails one of veritysetup's checks."""
+
+
+class PartitionTableError(FormatError):
+    """A disk image whose GUID partition table is missing or damaged, or that holds no
+    Discoverable Partitions verity triple to serve."""
 
 
 class ImageIOError(VerityError):

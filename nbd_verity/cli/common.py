@@ -110,6 +110,12 @@ def image_arguments(fn):
             geometry_options,
             click.option("--root-hash-file", default=None,
                          help="Read the root hash (hex) from this file."),
+            click.option("--partition", type=click.Choice(("auto", "root", "usr")),
+                         default=None,
+                         help="DATA is a Discoverable Disk Image: serve its root or usr "
+                              "verity triple (auto: the only one). Then the second "
+                              "argument is the ROOT_HASH. Default: a DDI when DATA starts "
+                              "with a GPT and no HASH is given or found."),
             trust_options)):
         fn = decorator(fn)
     return fn
@@ -131,3 +137,14 @@ def s3_options(fn):
                               "AWS_SECRET_ACCESS_KEY in the environment)."))):
         fn = decorator(fn)
     return fn
+
+
+def ddi_arguments(options: dict) -> None:
+    """With --partition, DATA is a DDI holding its own verity partition: the second
+    argument is then the ROOT_HASH (serve and verify take DATA [ROOT_HASH])."""
+    if options.get("partition") is None or options.get("hash_image") is None:
+        return
+    if options.get("root_hash") is not None:
+        raise click.UsageError("--partition: give DATA [ROOT_HASH]; the hash image is the "
+                               "DDI's verity partition")
+    options["root_hash"], options["hash_image"] = options["hash_image"], None

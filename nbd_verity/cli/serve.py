@@ -12,7 +12,7 @@ from __future__ import annotations
 import click
 
 from ..serve.config import IGNORE_CORRUPTION, PARALLEL, RESTART_ON_CORRUPTION, THREAD_MODELS
-from .common import edge, fec_options, image_arguments, s3_options
+from .common import ddi_arguments, edge, fec_options, image_arguments, s3_options
 
 
 @click.command("serve")
@@ -83,7 +83,9 @@ def serve_cmd(ignore_corruption, restart_on_corruption, unix, port, bind, thread
         options["serialize"], options["thread_model"] = None, PARALLEL
     check_listen({"unix": unix, "port": port})
     s3 = S3Options(s3_endpoint, s3_profile, s3_credentials)
-    _remote_sidecars(options, s3)
+    ddi_arguments(options)
+    if options["partition"] is None:
+        _remote_sidecars(options, s3)
     images = {role: options[role] for role in ("data", "hash_image") if options[role]}
     options.update(attach(images, UpstreamOptions(upstream_cache, upstream_cache_size, s3)))
     options["error_mode"] = (IGNORE_CORRUPTION if ignore_corruption else
@@ -98,8 +100,9 @@ def _remote_sidecars(options: dict, s3) -> None:
     """Fill in HASH, ROOT_HASH and the signature from URL.verity, URL.roothash and
     URL.roothash.p7s when DATA is an http(s) or s3 URL and HASH or ROOT_HASH is missing."""
     from ..errors import ConfigError
+    from ..format.gpt import HEAD_SIZE, starts_with_gpt
     from ..sources.s3 import check_object, is_s3, sidecar_reader
-    from ..trust.remote_sidecar import discover, has_remote_sidecars, write_private
+    from ..trust.remote_sidecar import discover, has_remote_sidecars, http_head, write_private
     from ..trust.sidecar import auxiliary_path
     root_given = options["root_hash"] is not None or options["root_hash_file"] is not None
     if not has_remote_sidecars(options["data"]) or (options["hash_image"] and root_given):
@@ -112,6 +115,9 @@ def _remote_sidecars(options: dict, s3) -> None:
                      options["root_hash_signature"] is not None, *readers)
     data = options["data"]
     if not options["hash_image"] and found.hash_image is None:
+        if not is_s3(data) and starts_with_gpt(http_head(data, HEAD_SIZE)):
+            options["partition"] = "auto"  # a DDI: the plugin reads its GPT
+            return
         raise ConfigError(f"hash: missing (give the hash image, or put "
                           f"{auxiliary_path(data, '.verity')} beside the image)")
     if not root_given and found.root_hash is None:

@@ -31,6 +31,7 @@ from ..trust.root import resolve_root
 from .common import (
     EXIT_CORRUPT,
     TREE_OPTIONS,
+    ddi_arguments,
     edge,
     fail,
     fec_options,
@@ -202,10 +203,22 @@ def _check_overlap(data: str, hash_image: str, params: VerityParams) -> None:
 def verify_cmd(data: str, hash_image: str | None, root_hash: str | None,
                root_hash_file: str | None, root_hash_signature: str | None,
                trusted_certs: str | None, require_signatures: bool, fec_device: str | None,
-               fec_roots: int | None, fec_offset: int | None, **kw) -> None:
+               fec_roots: int | None, fec_offset: int | None, partition: str | None,
+               **kw) -> None:
     """Check every block of DATA against HASH and the trusted ROOT_HASH (or the
     IMAGE.verity, IMAGE.roothash and IMAGE.roothash.p7s beside DATA); with --fec-device,
-    say which corrupted blocks FEC repairs, as veritysetup verify --fec-device."""
+    say which corrupted blocks FEC repairs, as veritysetup verify --fec-device. A
+    Discoverable Disk Image is checked as its data and verity partitions."""
+    from ..serve.ddi import is_ddi  # the GPT code only for a disk image
+    options = {"hash_image": hash_image, "root_hash": root_hash, "partition": partition}
+    ddi_arguments(options)
+    if options["partition"] is not None or is_ddi(data, hash_image):
+        if fec_device is not None:
+            raise ConfigError("fec-device: not supported for a DDI")
+        _verify_ddi(data, options["partition"] or "auto",
+                    root_hash_text(options["root_hash"], root_hash_file, required=False),
+                    root_hash_signature, trusted_certs, require_signatures, kw)
+        return
     trusted = resolve_root(data, hash_image,
                            root_hash_text(root_hash, root_hash_file, required=False),
                            root_hash_signature, trusted_certs, require_signatures)
@@ -232,6 +245,30 @@ def verify_cmd(data: str, hash_image: str | None, root_hash: str | None,
         return
     _print_bad(report)
     fail(f"verification failed: {report.bad_count} corrupted block(s)", EXIT_CORRUPT)
+
+
+def _verify_ddi(data: str, partition: str, root_hash: str | None, signature: str | None,
+                trusted_certs: str | None, require_signatures: bool, kw: dict) -> None:
+    """verify of a DDI: its triple chosen and its root settled as serve does, then every
+    block of the data partition checked against the verity partition."""
+    from ..serve.ddi import open_ddi
+    ddi = open_ddi(data, partition, root_hash, signature, trusted_certs, require_signatures)
+    with contextlib.closing(ddi):
+        for warning in ddi.trust.warnings:
+            click.echo(f"nbd-verity: warning: {warning}", err=True)
+        params = load_params(ddi.hashes.path, tree_options(kw), ddi.data.size(),
+                             source=ddi.hashes)
+        root = root_digest(ddi.trust.root_hex, params.digester().digest_size)
+        if ddi.data.size() < params.data_blocks * params.data_block_size:
+            raise VerityError(f"{ddi.data.path}: {ddi.data.size()} bytes, the tree covers "
+                              f"{params.data_blocks * params.data_block_size}")
+        with progress_bar(params.data_blocks * params.data_block_size, "Verifying") as update:
+            report = builder.verify_opened(ddi.data, ddi.hashes, params, root, update)
+    if not report.ok:
+        _print_bad(report)
+        fail(f"verification failed: {report.bad_count} corrupted block(s)", EXIT_CORRUPT)
+    click.echo(f"Verified {params.data_blocks} data blocks of {ddi.data.path}: OK")
+    click.echo(f"Trust: {ddi.trust.describe()}")
 
 
 def _print_bad(report) -> None:
@@ -281,12 +318,57 @@ def _blocks(blocks: list[tuple[str, int]]) -> str:
 @click.argument("hash_image", metavar="HASH")
 @click.option("--hash-offset", type=int, default=0, metavar="BYTES",
               help="Where the superblock sits in the hash image.")
+@click.option("--partition", type=click.Choice(("auto", "root", "usr")), default=None,
+              help="HASH is a Discoverable Disk Image: describe this triple (default: a "
+                   "DDI when HASH starts with a GPT rather than a verity superblock).")
+@click.option("--trusted-certs", default=None, metavar="PATH",
+              help="A DDI's signature is checked against these (default: verity.d).")
 @fec_options
 @edge
-def dump_cmd(hash_image: str, hash_offset: int, fec_device: str | None,
+def dump_cmd(hash_image: str, hash_offset: int, partition: str | None,
+             trusted_certs: str | None, fec_device: str | None,
              fec_roots: int | None, fec_offset: int | None) -> None:
     """Print the superblock of HASH as veritysetup dump does (and, with --fec-device,
-    the FEC geometry)."""
+    the FEC geometry); for a Discoverable Disk Image, its partitions, the triple that
+    would be served, its root hash and signer, then the verity partition's superblock."""
+    if partition is not None or (not hash_offset and _is_ddi_dump(hash_image)):
+        _dump_ddi(hash_image, partition or "auto", trusted_certs)
+        return
     params = read_params(hash_image, hash_offset)
     print_header(hash_image, params, None,
                  _fec_geometry(params, hash_image, fec_device, fec_roots, fec_offset))
+
+
+def _is_ddi_dump(image: str) -> bool:
+    """A DDI to dump: no verity superblock at its start, and a GPT."""
+    from ..format.superblock import SIGNATURE
+    from ..serve.ddi import is_ddi
+    from ..sources.source import ImageFile
+    try:
+        with ImageFile(image, "hash") as f:  # refuses a FIFO without opening it
+            if f.size() >= len(SIGNATURE) and f.read_exact(len(SIGNATURE), 0) == SIGNATURE:
+                return False
+    except VerityError:
+        return False  # read_params says what is wrong with it
+    return is_ddi(image, None)
+
+
+def _dump_ddi(image: str, partition: str, trusted_certs: str | None) -> None:
+    """dump of a DDI: the partitions, the triple, root hash and signer, the superblock;
+    a DDI that serve would refuse is listed, then refused in one line (exit 2)."""
+    from ..serve.ddi import describe_ddi, label, partition_lines
+    report = describe_ddi(image, partition, trusted_certs)
+    click.echo("\n".join(partition_lines(report.table)))
+    if report.opened is None:
+        fail(report.problem)
+    with contextlib.closing(report.opened) as ddi:
+        triple = ddi.triple
+        sig = label(triple.signature) if triple.signature else "none"
+        click.echo(f"Serves:          \t{triple.designator} ({triple.architecture}): data "
+                   f"{label(triple.data)}; hash {label(triple.verity)}; signature {sig}")
+        click.echo(f"Root hash:       \t{ddi.trust.root_hex}")
+        signer = ddi.trust.signature
+        click.echo(f"Signed by:       \t{signer.signer.describe() if signer else '-'}")
+        for warning in ddi.trust.warnings:
+            click.echo(f"nbd-verity: warning: {warning}", err=True)
+        print_header(ddi.hashes.path, read_params(ddi.hashes.path, 0, ddi.hashes))

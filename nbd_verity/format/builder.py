@@ -335,13 +335,19 @@ class LevelCheck:
 def verify_image(data_path: str, hash_path: str, params: VerityParams, root: bytes,
                  progress: Progress | None = None, limit: int = 10) -> VerifyReport:
     """Check every hash block top-down from the root, then every data block."""
-    geo, report = params.geometry(), VerifyReport(limit=limit)
     with ImageFile(data_path, "data") as data, ImageFile(hash_path, "hash") as hashes:
-        hash_size = hashes.size()
-        if geo.levels and geo.hash_image_size > hash_size:  # no level reads no hash block
-            raise ImageIOError(f"{hash_path}: hash image is {hash_size} bytes,"
-                               f" its geometry needs {geo.hash_image_size}")
-        _verify(data, hashes, params, root, report, progress)
+        return verify_opened(data, hashes, params, root, progress, limit)
+
+
+def verify_opened(data, hashes, params: VerityParams, root: bytes,
+                  progress: Progress | None = None, limit: int = 10) -> VerifyReport:
+    """verify_image on opened images (ImageFile, or a DDI's PartitionSource)."""
+    geo, report = params.geometry(), VerifyReport(limit=limit)
+    hash_size = hashes.size()
+    if geo.levels and geo.hash_image_size > hash_size:  # no level reads no hash block
+        raise ImageIOError(f"{hashes.path}: hash image is {hash_size} bytes,"
+                           f" its geometry needs {geo.hash_image_size}")
+    _verify(data, hashes, params, root, report, progress)
     return report
 
 

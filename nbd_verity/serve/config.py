@@ -110,6 +110,8 @@ class ServerConfig:
     fec_device: str | None = None  # Reed-Solomon parity, as veritysetup --fec-device
     fec_roots: int = 2  # veritysetup's default --fec-roots
     fec_offset: int = 0  # bytes into fec_device where the parity starts
+    partition: str | None = None  # a DDI: "auto", "root" or "usr" (serve/ddi.py); None:
+    # a DDI only if no hash image is given or found and the data starts with a GPT
 
     def __post_init__(self) -> None:
         if self.serialize and self.thread_model == PARALLEL:
@@ -195,6 +197,7 @@ KEYS = (
     Key("fec-device", "fec_device", absolute_file, "fec_device"),
     Key("fec-roots", "fec_roots", lambda k, v: parse_int(k, v, 0), "fec_roots"),
     Key("fec-offset", "fec_offset", parse_size, "fec_offset"),
+    Key("partition", "partition", _choice(("auto", "root", "usr")), "partition"),
 )
 _BY_NAME = {key.name: key for key in KEYS}
 _DEFAULTS = {f.name: f.default for f in fields(ServerConfig)}

@@ -44,10 +44,14 @@ class Device:
     def __init__(self, config: ServerConfig, hooks: Hooks | None = None) -> None:
         self.config = config
         self.hooks = hooks or Hooks()
-        self.trust = trusted_root(config)
+        self.ddi = open_ddi_of(config)  # a Discoverable Disk Image, or None
+        if self.ddi is None:
+            self.trust = trusted_root(config)
+            self.data = open_source(config.data, "data")  # a local file or an NBD URI
+            self.hashes = open_source(self.trust.hash_image, "hash")
+        else:  # both partitions of the one image, the root from the command line or GPT
+            self.trust, self.data, self.hashes = self.ddi.trust, self.ddi.data, self.ddi.hashes
         self.hash_path = self.trust.hash_image
-        self.data = open_source(config.data, "data")  # a local file or an NBD URI
-        self.hashes = open_source(self.hash_path, "hash")
         self.params = load_params(self.hash_path, config.tree, self.data.size(),
                                   source=self.hashes)
         self.geo = self.params.geometry()
@@ -74,7 +78,7 @@ class Device:
         # Readahead by default only where reads have latency of their own: for a local
         # file the kernel's page cache reads the hash image ahead already (benchmarks.md).
         self.readahead = (config.readahead if config.readahead is not None
-                          else is_uri(self.hash_path))
+                          else is_uri(config.data if self.ddi else self.hash_path))
         self.control = (ControlServer(config.control, Control(self))
                         if config.control else None)
         self.started = time.monotonic()
@@ -89,7 +93,7 @@ class Device:
         """Refuse images smaller than the geometry at start-up (later truncation → EIO)."""
         need = self.geo.data_size
         if self.data.size() < need:
-            raise ImageIOError(f"data: {self.config.data} is {self.data.size()} bytes, the "
+            raise ImageIOError(f"data: {self.data.path} is {self.data.size()} bytes, the "
                                f"tree covers {need}")
         if self.hashes.size() < self.geo.hash_image_size:
             raise ImageIOError(f"hash: {self.hash_path} is {self.hashes.size()} bytes, its "
@@ -139,6 +143,21 @@ class Device:
         self.hashes.close()
         if self.fec is not None:
             self.fec.close()
+
+
+def open_ddi_of(config: ServerConfig):
+    """The DDI config names (serve/ddi.py), opened with its root settled; None when the
+    data image is not served as one."""
+    from .ddi import is_ddi, open_ddi  # the GPT code only for a disk image
+    if config.partition is None and not is_ddi(config.data, config.hash):
+        return None
+    if config.hash is not None:
+        raise ConfigError("hash: a DDI holds its own verity partition (give no hash image)")
+    if config.fec_device is not None:
+        raise ConfigError("fec-device: not supported for a DDI")
+    return open_ddi(config.data, config.partition or "auto", config.root_hash,
+                    config.root_hash_signature, config.trusted_certs,
+                    config.require_signatures)
 
 
 def open_fec(config: ServerConfig, device: Device):

@@ -69,6 +69,19 @@ def http_read(url: str) -> bytes | None:
         return read_capped(response, MAX_REMOTE_SIDECAR, url, SidecarError)
 
 
+def http_head(url: str, size: int) -> bytes:
+    """The first SIZE bytes of URL (a ranged GET; fewer if it is shorter), b"" when the
+    server has no such file: enough to see whether an image starts with a GPT."""
+    response = _open(url, headers={"Range": f"bytes=0-{size - 1}"})
+    if response is None:
+        return b""
+    with response:
+        try:
+            return response.read(size)
+        except OSError as e:
+            raise SidecarError(f"{url}: {e}") from None
+
+
 def http_exists(url: str) -> bool:
     """Whether the server has URL: HEAD, or a one-byte ranged GET where HEAD is refused."""
     try:

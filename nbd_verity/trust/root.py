@@ -21,6 +21,7 @@ from .sidecar import (
     exists_local,
     find_sidecars,
     parse_hex,
+    parse_verity_sig,
     read_local,
     read_signature_file,
     xattr_local,
@@ -91,10 +92,55 @@ def resolve_root(data: str, hash_image: str | None = None, root_hash: str | None
     if root_hash is None:
         raise ConfigError(f"root-hash: missing (give a root hash or a root-hash-file, or put "
                           f"{data.removesuffix('.raw')}.roothash beside the image)")
+    if der is None and require_signatures:
+        raise SignatureError("require-signatures: the root hash is not signed (give "
+                             "root-hash-signature, or put IMAGE.roothash.p7s beside it)")
+    return _settle(hash_image, root_hash, source, der, sig_source, fingerprint,
+                   trusted_certs, search_path)
+
+
+def resolve_ddi_root(image: str, hash_image: str, root_hash: str | None,
+                     signature_blob: bytes | None, signature_partition: str | None,
+                     signature_path: str | None = None, trusted_certs: str | None = None,
+                     require_signatures: bool = False, search_path=None,
+                     read=read_local) -> TrustedRoot:
+    """The root of a Discoverable Disk Image: given, or the rootHash of its verity
+    signature partition (SIGNATURE_BLOB, a NUL-padded verity.sig JSON object), whose
+    signature is then checked by the same rules as a verity.sig file. A signature file
+    given (SIGNATURE_PATH) is used instead of the partition."""
+    if root_hash is not None:
+        root_hash = parse_hex(root_hash, "root-hash", "root hash")
+    der = verity_sig = None
+    sig_source = signature_path or signature_partition
+    if signature_path is not None:
+        der, verity_sig = read_signature_file(signature_path, read)
+    elif signature_blob is not None:
+        verity_sig = parse_verity_sig(signature_blob, signature_partition)
+        der = verity_sig.signature
+    source = "given"
+    if verity_sig is not None:
+        if root_hash is None:
+            root_hash, source = verity_sig.root_hash, sig_source
+        elif root_hash != verity_sig.root_hash:
+            raise SignatureError(f"root-hash-signature: {sig_source} is for root hash "
+                                 f"{verity_sig.root_hash}, not {root_hash}")
+    if root_hash is None:
+        raise ConfigError(f"root-hash: missing ({image} has no verity signature partition: "
+                          f"give the root hash)")
+    if der is None and require_signatures:
+        raise SignatureError(f"require-signatures: the root hash is not signed ({image} has "
+                             f"no verity signature partition)")
+    return _settle(hash_image, root_hash, source, der, sig_source,
+                   verity_sig.certificate_fingerprint if verity_sig else None,
+                   trusted_certs, search_path)
+
+
+def _settle(hash_image: str, root_hash: str, source: str, der: bytes | None,
+            sig_source: str | None, fingerprint: str | None, trusted_certs: str | None,
+            search_path) -> TrustedRoot:
+    """The TrustedRoot: unsigned, or with its signature checked (a present signature
+    must verify)."""
     if der is None:
-        if require_signatures:
-            raise SignatureError("require-signatures: the root hash is not signed (give "
-                                 "root-hash-signature, or put IMAGE.roothash.p7s beside it)")
         return TrustedRoot(hash_image, root_hash, source)
     load_trusted_certs, check_root_hash_signature = _checker()
     trust = (load_trusted_certs(trusted_certs) if search_path is None
