@@ -107,10 +107,11 @@ def guest_system() -> Guest:
 
 @dataclass(frozen=True)
 class Export:
-    """A verity export: a data image, its hash image and the trusted root hash (hex)."""
+    """A verity export: a data image, its hash image and the trusted root hash (hex);
+    hash None: the data image alone (a Discoverable Disk Image holds all three)."""
 
     data: Path
-    hash: Path
+    hash: Path | None
     root_hash: str
 
 
@@ -130,8 +131,10 @@ class Server:
     def argv(self, socket: Path, pid_file: Path) -> list[str]:
         """The server's command line; it writes pid_file once it accepts connections."""
         if self.kind == "nbd-verity":
-            return [str(NBD_VERITY), "serve", str(self.export.data), str(self.export.hash),
-                    self.export.root_hash, "--unix", str(socket),
+            # Without a hash image, DATA alone: a DDI, or an image with its sidecars.
+            images = ([str(self.export.data), str(self.export.hash), self.export.root_hash]
+                      if self.export.hash is not None else [str(self.export.data)])
+            return [str(NBD_VERITY), "serve", *images, "--unix", str(socket),
                     "--pid-file", str(pid_file), "--exit-with-parent", *self.extra_args]
         if self.kind == "nbdkit-file":
             return ["nbdkit", "--exit-with-parent", "-f", "-r", "-U", str(socket),
