@@ -17,10 +17,13 @@ import pytest
 from serverlib import FAST_PATH_ENV, MIB, control_request, flip_byte
 
 from nbd_verity.errors import VerityError
+from nbd_verity.format import digest
 from nbd_verity.serve.config import config_from_pairs
 from nbd_verity.serve.device import Connection, Device
 from nbd_verity.serve.fastpath import SAMPLE_EVERY, never
 
+pytestmark = pytest.mark.skipif(digest._native is None, reason="the fast path needs the "
+                                "native engine (not built, or NBD_VERITY_PURE=1)")
 LEAF_SPAN = 128 * 4096  # data bytes under one level-0 block at 4096/4096 sha256
 BAD_BLOCKS = (5, 130, 700)  # corrupted data blocks of the damaged copy
 
