@@ -39,6 +39,7 @@ bench: setup
 	$(PY) -m pip install -q -e '.[bench]'
 	$(PY) bench/run.py
 	$(PY) bench/side.py 3 5 native   # the read-path targets side by side (docs/benchmarks.md)
+	$(PY) bench/threads.py 3 5   # the fast path under each thread model: the three ratios
 
 e2e: setup
 	$(PY) -m pytest tests/e2e tests/test_systemd.py

@@ -1,7 +1,9 @@
 """The servers a benchmark compares, each on its own Unix socket, started and stopped by pid.
 
-Four kinds: nbdkit's C `file` plugin (the transport ceiling), the Python pass-through
-plugin (bench/passthrough.py: same nbdkit threads and preadv, no verification),
+Five kinds: nbdkit's C `file` plugin (the transport ceiling), the Python pass-through
+plugin (bench/passthrough.py: same nbdkit threads and preadv, no verification), the bare
+verifying plugin (bench/bareplugin.py: one read_verify per request, the fast path's
+ceiling),
 `nbd-verity serve` (which execs nbdkit, so the child's pid is nbdkit's), and our plugin
 under nbdkit directly (to add nbdkit filters, which `serve` does not pass). Each is started,
 awaited and stopped by nbd_verity.launch (ready: the socket accepts, and the control socket
@@ -24,6 +26,7 @@ from nbd_verity.launch import NBDKIT, PLUGIN, STOP_TIMEOUT, Launched  # noqa: E4
 
 NBD_VERITY = str(Path(sys.executable).parent / "nbd-verity")
 PASSTHROUGH = PROJECT / "bench" / "passthrough.py"
+BARE = PROJECT / "bench" / "bareplugin.py"
 ALL_INLINE = 32 << 20  # every class's threshold at the maximum: every request inline
 
 
@@ -40,7 +43,7 @@ class Server(Launched):
 
     def __init__(self, name: str, kind: str, argv_tail: list[str], threads: int | None = None,
                  filters: tuple[str, ...] = ()):
-        self.kind = kind  # "file", "passthrough", "verity" (nbd-verity serve) or "plugin"
+        self.kind = kind  # "file", "passthrough", "bare", "verity" (nbd-verity serve), "plugin"
         self.filters = [f"--filter={f}" for f in filters]  # nbdkit filters, before the plugin
         self.dir = tempfile.mkdtemp(prefix="nvb-")  # short: sun_path holds 108 bytes
         sock = os.path.join(self.dir, "nbd.sock")
@@ -64,6 +67,8 @@ class Server(Launched):
             return [*argv, "file", *tail]
         if self.kind == "plugin":
             return [*argv, "python", str(PLUGIN), *tail]
+        if self.kind == "bare":
+            return [*argv, "python", str(BARE), *tail]
         return [*argv, "python", str(PASSTHROUGH), *tail]
 
     def uri(self, export: str = "") -> str:
@@ -104,3 +109,9 @@ def plugin_server(name: str, image, keys: list[str], filters: tuple[str, ...] = 
 def verity_server(name: str, image, options: list[str], threads: int | None = None) -> Server:
     return Server(name, "verity", [str(image.data), str(image.hash), image.root, *options],
                   threads)
+
+
+def bare_server(name: str, image, thread_model: str) -> Server:
+    """bench/bareplugin.py: one read_verify per request, level 0 in memory."""
+    return Server(name, "bare", [f"data={image.data}", f"hash={image.hash}",
+                                 f"thread-model={thread_model}"])

@@ -17,6 +17,7 @@
 #include <structmember.h>
 
 #include <errno.h>
+#include <pthread.h>
 #include <string.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -110,6 +111,41 @@ static int read_full(int fd, unsigned char *p, size_t size, off_t offset)
         offset += n;
     }
     return 0;
+}
+
+/* One digest context per thread, made on the thread's first call and freed when the
+ * thread ends. nbdkit calls pread from several threads at once, so a context cannot be
+ * the Hasher's; making one per call cost an allocation per request. A context belongs
+ * to no Hasher: hash_one copies the Hasher's base state into it before every digest.
+ * Called with the GIL held (it may set MemoryError). */
+static pthread_key_t ctx_key;
+static pthread_once_t ctx_once = PTHREAD_ONCE_INIT;
+static int ctx_key_made;
+
+static void free_thread_ctx(void *ctx)
+{
+    EVP_MD_CTX_free(ctx);
+}
+
+static void make_ctx_key(void)
+{
+    ctx_key_made = pthread_key_create(&ctx_key, free_thread_ctx) == 0;
+}
+
+static EVP_MD_CTX *thread_ctx(void)
+{
+    pthread_once(&ctx_once, make_ctx_key);
+    EVP_MD_CTX *ctx = ctx_key_made ? pthread_getspecific(ctx_key) : NULL;
+    if (ctx != NULL || !ctx_key_made)
+        goto out;
+    if ((ctx = EVP_MD_CTX_new()) != NULL && pthread_setspecific(ctx_key, ctx) != 0) {
+        EVP_MD_CTX_free(ctx);
+        ctx = NULL;
+    }
+out:
+    if (ctx == NULL)
+        PyErr_NoMemory();
+    return ctx;
 }
 
 /* Whether a fast call got exactly `want` positional arguments (else TypeError). */
@@ -232,18 +268,19 @@ static PyObject *Hasher_digest(Hasher *self, PyObject *arg)
     unsigned char md[EVP_MAX_MD_SIZE];
     if (check_ready(self) < 0 || PyObject_GetBuffer(arg, &buf, PyBUF_SIMPLE) < 0)
         return NULL;
-    EVP_MD_CTX *ctx = EVP_MD_CTX_new();
-    int rc = -1;
-    if (ctx != NULL) {
-        if (buf.len >= self->release_size) {
-            Py_BEGIN_ALLOW_THREADS
-            rc = hash_one(self, ctx, buf.buf, (size_t)buf.len, md);
-            Py_END_ALLOW_THREADS
-        } else {
-            rc = hash_one(self, ctx, buf.buf, (size_t)buf.len, md);
-        }
+    EVP_MD_CTX *ctx = thread_ctx();
+    if (ctx == NULL) {
+        PyBuffer_Release(&buf);
+        return NULL;
     }
-    EVP_MD_CTX_free(ctx);
+    int rc;
+    if (buf.len >= self->release_size) {
+        Py_BEGIN_ALLOW_THREADS
+        rc = hash_one(self, ctx, buf.buf, (size_t)buf.len, md);
+        Py_END_ALLOW_THREADS
+    } else {
+        rc = hash_one(self, ctx, buf.buf, (size_t)buf.len, md);
+    }
     PyBuffer_Release(&buf);
     if (rc < 0)
         return digest_error();
@@ -268,10 +305,8 @@ static PyObject *Hasher_slots(Hasher *self, PyObject *const *args, Py_ssize_t na
     Py_ssize_t blocks = run_blocks(self, buf.len, block_size, NULL, 0);
     if (blocks < 0)
         goto done;
-    if ((ctx = EVP_MD_CTX_new()) == NULL) {
-        PyErr_NoMemory();
+    if ((ctx = thread_ctx()) == NULL)
         goto done;
-    }
     if ((out = PyBytes_FromStringAndSize(NULL, blocks * self->slot_size)) == NULL)
         goto done;
     unsigned char *dst = (unsigned char *)PyBytes_AS_STRING(out);
@@ -288,7 +323,6 @@ static PyObject *Hasher_slots(Hasher *self, PyObject *const *args, Py_ssize_t na
         digest_error();
     }
 done:
-    EVP_MD_CTX_free(ctx);
     PyBuffer_Release(&buf);
     return out;
 }
@@ -300,11 +334,9 @@ static Py_ssize_t verify_buffer(Hasher *self, const Py_buffer *buf, Py_ssize_t b
     Py_ssize_t blocks = run_blocks(self, buf->len, block_size, expected, 1);
     if (blocks < 0)
         return RAISED;
-    EVP_MD_CTX *ctx = EVP_MD_CTX_new();
-    if (ctx == NULL) {
-        PyErr_NoMemory();
+    EVP_MD_CTX *ctx = thread_ctx();
+    if (ctx == NULL)
         return RAISED;
-    }
     Py_ssize_t verdict;
     if (buf->len >= self->release_size) {
         Py_BEGIN_ALLOW_THREADS
@@ -313,7 +345,6 @@ static Py_ssize_t verify_buffer(Hasher *self, const Py_buffer *buf, Py_ssize_t b
     } else {
         verdict = verify_run(self, ctx, buf->buf, blocks, block_size, expected->buf);
     }
-    EVP_MD_CTX_free(ctx);
     if (verdict == DIGEST_FAILED) {
         digest_error();
         return RAISED;
@@ -346,8 +377,9 @@ static PyObject *Hasher_verify(Hasher *self, PyObject *const *args, Py_ssize_t n
 }
 
 PyDoc_STRVAR(read_verify_doc,
-"read_verify(fd, buf, offset, block_size, expected_slots) -> int\n\n"
-"Fill the writable buf from fd at offset, then verify it as verify() does. Returns the\n"
+"read_verify(fd, buf, offset, block_size, expected_slots[, slot_offset]) -> int\n\n"
+"Fill the writable buf from fd at offset, then verify it as verify() does against the\n"
+"slots from slot_offset on (default 0: a whole leaf is passed, never a slice). Returns the\n"
 "verdict, or READ_FAILED when the read failed or the file ended first (the caller\n"
 "reads again itself to report exactly what went wrong).\n"
 "A short run whose pages are cached is read with RWF_NOWAIT while the GIL is held; the\n"
@@ -358,8 +390,13 @@ static PyObject *Hasher_read_verify(Hasher *self, PyObject *const *args, Py_ssiz
     long fd;
     long long offset;
     Py_ssize_t block_size;
+    Py_ssize_t slot_offset = 0;
     Py_buffer buf, expected;
-    if (check_ready(self) < 0 || check_nargs("read_verify", nargs, 5) < 0)
+    if (check_ready(self) < 0)
+        return NULL;
+    if (nargs != 6 && check_nargs("read_verify", nargs, 5) < 0)
+        return NULL;
+    if (nargs == 6 && (slot_offset = PyLong_AsSsize_t(args[5])) == -1 && PyErr_Occurred())
         return NULL;
     if ((fd = PyLong_AsLong(args[0])) == -1 && PyErr_Occurred())
         return NULL;
@@ -383,13 +420,17 @@ static PyObject *Hasher_read_verify(Hasher *self, PyObject *const *args, Py_ssiz
     }
     PyObject *result = NULL;
     EVP_MD_CTX *ctx = NULL;
-    Py_ssize_t blocks = run_blocks(self, buf.len, block_size, &expected, 1);
-    if (blocks < 0)
-        goto done;
-    if ((ctx = EVP_MD_CTX_new()) == NULL) {
-        PyErr_NoMemory();
+    if (slot_offset < 0 || slot_offset > expected.len) {
+        PyErr_Format(PyExc_ValueError, "slot_offset %zd is outside the %zd bytes of slots",
+                     slot_offset, expected.len);
         goto done;
     }
+    Py_buffer slots = expected;  /* the slots from slot_offset on; released as expected */
+    slots.buf = (unsigned char *)expected.buf + slot_offset;
+    slots.len = expected.len - slot_offset;
+    Py_ssize_t blocks = run_blocks(self, buf.len, block_size, &slots, 1);
+    if (blocks < 0 || (ctx = thread_ctx()) == NULL)
+        goto done;
     unsigned char *p = buf.buf;
     size_t size = (size_t)buf.len, got = 0;
     int release = buf.len >= self->release_size;
@@ -406,17 +447,16 @@ static PyObject *Hasher_read_verify(Hasher *self, PyObject *const *args, Py_ssiz
         if (read_full((int)fd, p + got, size - got, (off_t)offset + (off_t)got) < 0)
             verdict = READ_FAILED;
         else if (release)
-            verdict = verify_run(self, ctx, p, blocks, block_size, expected.buf);
+            verdict = verify_run(self, ctx, p, blocks, block_size, slots.buf);
         Py_END_ALLOW_THREADS
     }
     if (!release && verdict != READ_FAILED)  /* a short run: hashed with the GIL held */
-        verdict = verify_run(self, ctx, p, blocks, block_size, expected.buf);
+        verdict = verify_run(self, ctx, p, blocks, block_size, slots.buf);
     if (verdict == DIGEST_FAILED)
         digest_error();
     else
         result = PyLong_FromSsize_t(verdict);
 done:
-    EVP_MD_CTX_free(ctx);
     PyBuffer_Release(&expected);
     PyBuffer_Release(&buf);
     return result;

@@ -55,6 +55,18 @@ class HashBlockCache:
         self._tally.row()[data is None] += 1
         return data
 
+    def level(self, level: int) -> OrderedDict[int, bytes]:
+        """The LRU of one level, blocks by absolute number (made if absent, never
+        replaced): serve/fastpath.py looks leaves up in it directly, as get() does."""
+        with self._lock:
+            while len(self._levels) <= level:
+                self._levels.append(OrderedDict())
+            return self._levels[level]
+
+    def row(self) -> list[int]:
+        """This thread's counters: hits at 0, misses at 1 (serve/fastpath.py)."""
+        return self._tally.row()
+
     @property
     def hits(self) -> int:
         return self._tally.totals()[0]

@@ -22,6 +22,7 @@ from ..format.roothash import root_digest
 from ..log import log
 from ..sources.remote import is_uri, open_source
 from ..trust.root import TrustedRoot, resolve_root
+from . import fastpath
 from .cache import HashBlockCache
 from .config import ServerConfig, parse_size
 from .dispatch import Dispatcher
@@ -81,6 +82,7 @@ class Device:
                           else is_uri(config.data if self.ddi else self.hash_path))
         self.control = (ControlServer(config.control, Control(self))
                         if config.control else None)
+        self.fast_path = fastpath.enabled(self)  # per connection also: no readahead
         self.started = time.monotonic()
 
     def start_threads(self) -> None:
@@ -112,7 +114,7 @@ class Device:
         return {"classes": self.dispatcher.stats.snapshot(), "totals": totals,
                 **self.status(), "thresholds": table_dict(self.dispatcher.table),
                 "workers": self.dispatcher.workers,
-                "chunk_size": self.dispatcher.chunk_size}
+                "chunk_size": self.dispatcher.chunk_size, "fast_path": self.fast_path}
 
     def source_counters(self) -> dict:
         """source_errors and reconnects, summed over the NBD sources (0 for files)."""
@@ -185,13 +187,15 @@ def _threshold_value(name: str, text) -> int:
 
 
 class Connection:
-    """Per-client state: its I/O class and its Merkle readahead (readahead.py)."""
+    """Per-client state: its I/O class, its Merkle readahead (readahead.py) and its fast
+    path (fastpath.py: fast(buf, offset) answers the common request, or returns False)."""
 
     def __init__(self, device: Device, io_class: int | None = None) -> None:
         self.device = device
         self.io_class = device.default_class if io_class is None else io_class
         self.readahead = (Readahead(device.verifier, device.config.readahead_min_size)
                           if device.readahead else None)
+        self.fast = fastpath.bind(self)
 
     @classmethod
     def open(cls, device: Device) -> Connection:
@@ -199,7 +203,6 @@ class Connection:
         io_class = connection_class(device.hooks.export_name(), device.hooks.peer_pid(),
                                     device.default_class)
         return cls(device, io_class)
-
 
     def read(self, buf: memoryview, offset: int) -> None:
         """Verified read of len(buf) bytes at offset, with Merkle readahead."""

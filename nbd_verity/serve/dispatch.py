@@ -48,7 +48,20 @@ class PathStats:
 
     def reset(self) -> None:
         self._tally.reset()
-        self._latency = {key: deque(maxlen=LATENCY_SAMPLES) for key in self._keys}
+        for samples in self._latency.values():  # in place: the fast path holds them
+            samples.clear()
+
+    def slot(self, io_class: int, path: str) -> int:
+        """Where (class, path) counts in a row: requests there, bytes just after."""
+        return self._slot[(io_class, path)]
+
+    def latency(self, io_class: int, path: str) -> deque:
+        """The recent latencies of (class, path), in seconds; append to record one."""
+        return self._latency[(io_class, path)]
+
+    def row(self) -> list[int]:
+        """This thread's row of request and byte counts (serve/fastpath.py)."""
+        return self._tally.row()
 
     def record(self, io_class: int, path: str, length: int, seconds: float) -> None:
         key = (io_class, path)

@@ -4,7 +4,9 @@
 nbdkit at this file itself so that an installed package needs no file outside it. Every
 callback is a few lines that delegate to nbd_verity.serve.device and translate errors at this
 edge: corruption and I/O errors become EIO via nbdkit.set_error, and under
-restart-on-corruption a corruption also stops the server (see _restart).
+restart-on-corruption a corruption also stops the server (see _restart). pread first
+offers the request to its connection's fast path (serve/fastpath.py: the common request,
+one frame and one native call); whatever that declines takes the general path.
 
 A failed request is raised by nbdkit_compat.FailureRaiser, outside any `except` block, so
 that nbdkit 1.32's leak of every failed callback's exception costs nothing (see there);
@@ -186,6 +188,8 @@ def is_rotational(h):
 
 
 def pread(h, buf, offset, flags):
+    if h.fast(buf, offset):  # the common request, in one frame more (serve/fastpath.py)
+        return
     problem = _read(h, buf, offset)
     if problem is not None:
         with _failed_lock:

@@ -69,6 +69,10 @@ class Counters:
         with self._lock:
             self._seen = self._repaired = 0
 
+    def row(self) -> list[int]:
+        """This thread's row, in FIELDS order (serve/fastpath.py adds to it in place)."""
+        return self._tally.row()
+
     def add(self, **amounts: int) -> None:
         row = self._tally.row()
         for name, amount in amounts.items():
@@ -135,6 +139,9 @@ class Verifier:
         # from a local file's descriptor (an NBD source reads through libnbd instead).
         self._hasher = self.digester.native if self._whole_runs else None
         self._reads_native = self._hasher is not None and isinstance(data, ImageFile)
+        # serve/fastpath.py may answer aligned reads under one cached leaf itself: its
+        # success path is _read_verify's, and everything else comes back here.
+        self.fast_path_ready = self._reads_native
 
     # -- start-up ---------------------------------------------------------------------
 

@@ -15,9 +15,12 @@ import pytest
 
 from .serverlib import (
     DEFAULT_ENGINE,
+    DEFAULT_PATH,
+    FAST_PATH_ENV,
     MIB,
     NBD_VERITY,
     NBDKIT,
+    PATHS,
     PLUGIN,
     PROJECT,
     Image,
@@ -43,11 +46,31 @@ def engine(request) -> str:
     return getattr(request, "param", DEFAULT_ENGINE)
 
 
+# Suites whose every server test runs on both read paths (the fast path's answers, errors
+# and counters must be the general path's): the rest run on DEFAULT_PATH.
+FAST_PATH_BOTH = {"test_corruption", "test_readback", "test_stats", "test_engine",
+                  "test_cache", "test_hostile", "test_faults", "test_truncation"}
+
+
+def pytest_generate_tests(metafunc):
+    if ("read_path" in metafunc.fixturenames and metafunc.module.__name__ in FAST_PATH_BOTH
+            and not any(m.name == "parametrize" and "read_path" in m.args[0]
+                        for m in metafunc.definition.iter_markers())):
+        metafunc.parametrize("read_path", PATHS, indirect=True)
+
+
 @pytest.fixture
-def servers(sockdir, tmp_path, engine):
+def read_path(request) -> str:
+    """The read path servers take: 'fast' (the fast path where it applies) or 'general'
+    (NBD_VERITY_FAST_PATH=0); both in the FAST_PATH_BOTH suites."""
+    return getattr(request, "param", DEFAULT_PATH)
+
+
+@pytest.fixture
+def servers(sockdir, tmp_path, engine, read_path):
     """Factory fixture: start(image, **keys) runs `nbdkit python plugin.py` on a socket,
     serve_cli(args) runs `nbd-verity serve`; all are stopped by pid at teardown. They run
-    on the `engine` fixture's engine."""
+    on the `engine` fixture's engine and the `read_path` fixture's path."""
     started: list[Server] = []
 
     class Factory:
@@ -63,10 +86,12 @@ def servers(sockdir, tmp_path, engine):
             return [NBDKIT, "-f", "-r", "--exit-with-parent", "-U", socket_path, "-P",
                     pid_file, "python", str(PLUGIN), *[f"{k}={v}" for k, v in pairs]]
 
-        def start(self, image: Image, ready: bool = True, **keys) -> Server:
+        def start(self, image: Image, ready: bool = True, path: str | None = None,
+                  **keys) -> Server:
+            """path: the read path of this server, if not the fixture's."""
             sock, pid, log = self._paths()
             server = Server(self.plugin_argv(image.pairs(**keys), sock, pid), sock, pid, log,
-                            engine)
+                            engine, path or read_path)
             started.append(server)
             return server.wait_ready() if ready else server
 
@@ -74,7 +99,7 @@ def servers(sockdir, tmp_path, engine):
             sock, pid, log = self._paths()
             argv = [str(NBD_VERITY), "serve", *args, "--unix", sock, "--pid-file", pid,
                     "--exit-with-parent"]
-            server = Server(argv, sock, pid, log, engine)
+            server = Server(argv, sock, pid, log, engine, read_path)
             started.append(server)
             return server.wait_ready() if ready else server
 
@@ -100,14 +125,15 @@ def shared_server(default_image, tmp_path_factory):
 
 
 @pytest.fixture
-def captive():
+def captive(read_path):
     """connect_command as libnbd's own tests do: `nbdkit -s --exit-with-parent` per handle."""
     handles = []
+    general = [f"{FAST_PATH_ENV}=0"] if read_path == "general" else []
 
     def connect(image: Image, **keys):
         h = nbd.NBD()
         handles.append(h)
-        argv = ["env", f"PYTHONPATH={PROJECT}", NBDKIT, "-s", "--exit-with-parent", "-r",
+        argv = ["env", f"PYTHONPATH={PROJECT}", *general, NBDKIT, "-s", "--exit-with-parent", "-r",
                 "python", str(PLUGIN), *[f"{k}={v}" for k, v in image.pairs(**keys)]]
         h.connect_command(argv)
         return h

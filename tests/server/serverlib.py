@@ -48,15 +48,25 @@ MIB = 1 << 20
 ENGINES = ("native", "python")
 PURE_ENV = "NBD_VERITY_PURE"
 DEFAULT_ENGINE = "python" if os.environ.get(PURE_ENV, "") not in ("", "0") else "native"
+# The read paths (nbd_verity/serve/fastpath.py): the fast path answers the common request,
+# the general path everything (and everything when NBD_VERITY_FAST_PATH=0). The suites of
+# FAST_PATH_BOTH (conftest.py) run on both; the others on the test run's own.
+PATHS = ("fast", "general")
+FAST_PATH_ENV = "NBD_VERITY_FAST_PATH"
+DEFAULT_PATH = "general" if os.environ.get(FAST_PATH_ENV, "") == "0" else "fast"
 
 
-def server_env(engine: str = DEFAULT_ENGINE) -> dict:
-    """The environment of a server on this engine: NBD_VERITY_PURE=1 forces the
-    pure-Python engine; without it the native one runs (launch adds PYTHONPATH)."""
+def server_env(engine: str = DEFAULT_ENGINE, path: str = DEFAULT_PATH) -> dict:
+    """The environment of a server on this engine and read path: NBD_VERITY_PURE=1 forces
+    the pure-Python engine (without it the native one runs), NBD_VERITY_FAST_PATH=0 the
+    general path (launch adds PYTHONPATH)."""
     env = dict(os.environ)
     env.pop(PURE_ENV, None)
+    env.pop(FAST_PATH_ENV, None)
     if engine == "python":
         env[PURE_ENV] = "1"
+    if path == "general":
+        env[FAST_PATH_ENV] = "0"
     return env
 
 
@@ -241,10 +251,10 @@ class Server(Launched):
     are closed before it is stopped."""
 
     def __init__(self, argv: list[str], socket_path: str, pid_file: str, log_path: Path,
-                 engine: str = DEFAULT_ENGINE):
+                 engine: str = DEFAULT_ENGINE, path: str = DEFAULT_PATH):
         super().__init__(argv, socket=socket_path, pid_file=pid_file, log_path=log_path,
-                         env=server_env(engine))
-        self.engine = engine
+                         env=server_env(engine, path))
+        self.engine, self.path = engine, path
         self.handles: list = []
         self.start(ready=False)
 

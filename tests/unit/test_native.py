@@ -12,6 +12,7 @@ import os
 import random
 import subprocess
 import sys
+import threading
 
 import pytest
 from hypothesis import given, settings
@@ -132,6 +133,55 @@ def test_read_verify_reports_a_short_read_and_a_bad_fd(tmp_path):
     assert hasher.read_verify(fd, bytearray(4096), 0, 4096, want) == _native.READ_FAILED
     with pytest.raises(BufferError):
         hasher.read_verify(0, b"read-only buffer", 0, 16, want)
+
+
+@pytest.mark.parametrize("slot_index", [0, 1, 5, 7])
+def test_read_verify_takes_its_slots_at_an_offset_of_the_whole_leaf(tmp_path, slot_index):
+    """slot_offset reads the slots from there on, as the slice leaf[slot_offset:] would,
+    and is checked against the leaf's length."""
+    hasher = Digester("sha256", b"salt", 1).native
+    blocks = [random.Random(i).randbytes(4096) for i in range(8)]
+    leaf = b"".join(hasher.slots(b, 4096) for b in blocks)
+    path = tmp_path / "image"
+    path.write_bytes(b"".join(blocks))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        at, run = slot_index * hasher.slot_size, 8 - slot_index
+        buf = bytearray(run * 4096)
+        assert hasher.read_verify(fd, buf, slot_index * 4096, 4096, leaf, at) == -1
+        assert buf == b"".join(blocks[slot_index:])
+        if slot_index:  # the same bytes checked against the wrong slots: the first differs
+            assert hasher.read_verify(fd, buf, slot_index * 4096, 4096, leaf, 0) == 0
+        with pytest.raises(ValueError, match="bytes of slots"):
+            hasher.read_verify(fd, bytearray((run + 1) * 4096), 0, 4096, leaf, at)
+        for outside in (-1, len(leaf) + 1):
+            with pytest.raises(ValueError, match="slot_offset"):
+                hasher.read_verify(fd, bytearray(4096), 0, 4096, leaf, outside)
+        with pytest.raises(TypeError, match="takes 5 arguments"):
+            hasher.read_verify(fd, buf, 0, 4096)
+    finally:
+        os.close(fd)
+
+
+def test_digests_on_many_threads_share_no_context():
+    """One digest context per thread (never one per Hasher): threads hashing with one
+    Hasher at once each get the right digests."""
+    d = Digester("sha256", b"salt", 1)
+    blocks = [random.Random(i).randbytes(4096) for i in range(64)]
+    want = [d.native.slots(b, 4096)[:32] for b in blocks]
+    wrong = []
+
+    def work():
+        for _ in range(50):
+            for b, w in zip(blocks, want, strict=True):
+                if d.native.digest(b) != w or d.native.verify(b, 4096, w) != -1:
+                    wrong.append(b)
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not wrong
 
 
 @pytest.mark.parametrize("engine", ["auto", "python"])

@@ -1,0 +1,121 @@
+"""The fast path: the common read answered in one Python frame around one native call.
+
+The common request is aligned, lies under one level-0 hash block whose verified copy is
+cached, fits its class's inline threshold, and no option that changes the success path is
+in play (FEC, ignore-zero-blocks, check-at-most-once, Merkle readahead, a data image that
+is not a local file, the pure-Python engine, a tree without levels). For it the plugin's
+pread calls the function bind() made when the connection opened; that function reads and
+verifies straight into nbdkit's buffer with one read_verify call, passing the leaf whole
+with the slot's offset (no slice), and counts what the general path would have counted.
+
+Anything else returns False having counted nothing, and the request takes the general
+path (device.Connection.read), which stays the reference: a request that fails here (a
+mismatch, a short read) is done again there from the start, so its bytes, its error and
+its counters are the general path's own. What the fast path counts (ctl stats) equals
+the general path's for the same request: one cache hit, the blocks verified, one inline
+request of its class and its bytes. Latency is sampled: one request in SAMPLE_EVERY per
+thread is timed (the first one included), where the general path times every request.
+
+Counts go into the per-thread rows of the same Tallies the general path uses (tally.py),
+fetched once per thread and kept by thread ident, so a request does one dict look-up and
+four in-place additions. The slot arithmetic is geometry's parent_slot inlined as shifts
+(tests/unit/test_fastpath.py checks it against parent_slot). NBD_VERITY_FAST_PATH=0
+turns the fast path off, for the tests that run every suite on both paths and for
+measuring it; it is not a setting.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from threading import get_ident
+from time import perf_counter
+from typing import TYPE_CHECKING
+
+from ..control.table import INLINE
+from ..limits import MAX_REQUEST_SIZE
+from ..sources.source import ImageFile
+
+if TYPE_CHECKING:
+    from .device import Connection, Device
+
+FAST_PATH_ENV = "NBD_VERITY_FAST_PATH"  # 0: every request takes the general path
+SAMPLE_EVERY = 64  # one request in this many (per thread and class) has its latency timed
+
+
+def enabled(device: Device) -> bool:
+    """Whether this device's requests may take the fast path at all (its options and
+    sources allow it, and the environment does not turn it off)."""
+    verifier = device.verifier
+    return (os.environ.get(FAST_PATH_ENV, "") not in ("0", "false", "no", "off")
+            and verifier.fast_path_ready and device.fec is None
+            and isinstance(device.data, ImageFile))
+
+
+def never(buf, offset: int) -> bool:
+    """The fast path of a connection that may not take it."""
+    return False
+
+
+def bind(connection: Connection) -> Callable[[object, int], bool]:
+    """The fast path of one connection: fast(buf, offset) -> True when it answered the
+    request (buf filled and verified), False when the general path must."""
+    device = connection.device
+    if connection.readahead is not None or not device.fast_path:
+        return never
+    verifier, dispatcher = device.verifier, device.dispatcher
+    geo = verifier.geo
+    dbs = geo.data_block_size
+    mask, shift = dbs - 1, dbs.bit_length() - 1
+    hpb_bits, slot_size = geo.hpb_bits, geo.slot_size
+    hpb_mask = (1 << hpb_bits) - 1
+    leaf_start = geo.level_start[0]
+    leaves = device.cache.level(0)  # the level-0 LRU itself, never replaced
+    read_verify = verifier.digester.native.read_verify
+    fd = device.data.fd
+    io_class = connection.io_class
+    slot = dispatcher.stats.slot(io_class, INLINE)  # requests; bytes at slot + 1
+    latency = dispatcher.stats.latency(io_class, INLINE)
+    counters, cache, stats = verifier.counters, device.cache, dispatcher.stats
+    rows_of: dict[int, tuple[list[int], list[int], list[int]]] = {}
+    sample_mask = SAMPLE_EVERY - 1
+
+    def rows() -> tuple[list[int], list[int], list[int]]:
+        """This thread's rows: data_blocks_verified at 0, cache hits at 0, path stats."""
+        mine = rows_of[get_ident()] = (counters.row(), cache.row(), stats.row())
+        return mine
+
+    def fast(buf, offset: int) -> bool:
+        size = len(buf)
+        if (offset & mask or size & mask or not 0 < size <= MAX_REQUEST_SIZE
+                or size > dispatcher.table[io_class]):
+            return False
+        first = offset >> shift
+        blocks = size >> shift
+        index = first & hpb_mask
+        if index + blocks > hpb_mask + 1:  # the run spans two leaves
+            return False
+        block = leaf_start + (first >> hpb_bits)
+        leaf = leaves.get(block)
+        if leaf is None:
+            return False
+        verified, hits, path = rows_of.get(get_ident()) or rows()
+        if path[slot] & sample_mask:
+            if read_verify(fd, buf, offset, dbs, leaf, index * slot_size) != -1:
+                return False
+        else:
+            started = perf_counter()
+            if read_verify(fd, buf, offset, dbs, leaf, index * slot_size) != -1:
+                return False
+            latency.append(perf_counter() - started)
+        try:  # noqa: SIM105 - as HashBlockCache.get: LRU order, evicted meanwhile
+            leaves.move_to_end(block)
+        except KeyError:
+            pass
+        verified[0] += blocks
+        hits[0] += 1
+        path[slot] += 1
+        path[slot + 1] += size
+        return True
+
+    return fast

@@ -1,0 +1,174 @@
+"""The fast path (nbd_verity/serve/fastpath.py) answers exactly the common request, and what
+it answers is the general path's answer: the same bytes, the same errors, the same counters.
+
+In process, a Device per path reads the same requests (random sizes and offsets, aligned
+or not, over a damaged copy) and their results and `stats` counters are compared; the
+fast path's own decision is checked request by request. Through nbdkit, a server on each
+path serves the same workload and the control socket's counters are compared.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import nbd
+import pytest
+from serverlib import FAST_PATH_ENV, MIB, control_request, flip_byte
+
+from nbd_verity.errors import VerityError
+from nbd_verity.format import digest
+from nbd_verity.serve.config import config_from_pairs
+from nbd_verity.serve.device import Connection, Device
+from nbd_verity.serve.fastpath import SAMPLE_EVERY, never
+
+pytestmark = pytest.mark.skipif(digest._native is None, reason="the fast path needs the "
+                                "native engine (not built, or NBD_VERITY_PURE=1)")
+LEAF_SPAN = 128 * 4096  # data bytes under one level-0 block at 4096/4096 sha256
+BAD_BLOCKS = (5, 130, 700)  # corrupted data blocks of the damaged copy
+
+
+def device(image, monkeypatch, path: str = "fast", **keys) -> Device:
+    if path == "general":
+        monkeypatch.setenv(FAST_PATH_ENV, "0")
+    else:
+        monkeypatch.delenv(FAST_PATH_ENV, raising=False)
+    return Device(config_from_pairs(image.pairs(readahead="false", **keys)))
+
+
+@pytest.fixture
+def damaged(default_image, tmp_path):
+    image = default_image.copy(tmp_path)
+    for block in BAD_BLOCKS:
+        flip_byte(image.data, block * image.data_block_size + 17)
+    return image
+
+
+def requests(seed: int, size: int, count: int = 400) -> list[tuple[int, int]]:
+    """(offset, length): mostly aligned 4 KiB, some larger, unaligned, or across leaves."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        kind = rng.random()
+        if kind < 0.6:
+            length, offset = 4096, rng.randrange(size // 4096) * 4096
+        elif kind < 0.8:
+            length = rng.choice((8192, 65536, 256 << 10, LEAF_SPAN, 2 * LEAF_SPAN))
+            offset = rng.randrange((size - length) // 4096 + 1) * 4096
+        else:
+            length = rng.randrange(1, 3 * 4096)
+            offset = rng.randrange(size - length + 1)
+        out.append((offset, length))
+    return out
+
+
+def outcome(conn: Connection, offset: int, length: int):
+    buf = bytearray(length)
+    try:
+        conn.read(memoryview(buf), offset) if not conn.fast(buf, offset) else None
+    except VerityError as e:
+        return type(e).__name__, str(e)
+    return bytes(buf)
+
+
+def counted(dev: Device) -> dict:
+    """stats without what is timed or describes the path itself."""
+    stats = dev.stats()
+    classes = {c: {p: (v["requests"], v["bytes"]) for p, v in paths.items()}
+               for c, paths in stats["classes"].items()}
+    return {"classes": classes, "totals": stats["totals"], "status": stats["status"]}
+
+
+@pytest.mark.parametrize("mode", ["eio", "ignore-corruption"])
+def test_fast_and_general_paths_give_the_same_answers_and_counts(damaged, monkeypatch,
+                                                                   mode):
+    devices = [device(damaged, monkeypatch, path, error_mode=mode)
+               for path in ("fast", "general")]
+    try:
+        assert [d.fast_path for d in devices] == [True, False]
+        conns = [Connection(d) for d in devices]
+        for offset, length in requests(1, damaged.size):
+            fast, general = (outcome(c, offset, length) for c in conns)
+            assert fast == general, (offset, length)
+            if isinstance(fast, bytes):
+                assert fast == damaged.expected(offset, length) or mode != "eio"
+        assert counted(devices[0]) == counted(devices[1])
+        assert devices[0].stats()["fast_path"] and not devices[1].stats()["fast_path"]
+    finally:
+        for d in devices:
+            d.close()
+
+
+def test_the_fast_path_answers_only_the_common_request(default_image, monkeypatch):
+    dev = device(default_image, monkeypatch)
+    try:
+        conn = Connection(dev)
+        buf = bytearray(4096)
+        assert not conn.fast(buf, 0)  # leaf 0 not cached yet
+        conn.read(memoryview(buf), 0)  # the general path caches it
+        for offset, length, taken in [
+            (0, 4096, True), (4096 * 127, 4096, True), (0, LEAF_SPAN, True),
+            (4096, LEAF_SPAN - 4096, True),
+            (4096 * 127, 8192, False),  # across two leaves
+            (1, 4096, False), (0, 4095, False), (0, 0, False),  # unaligned, empty
+            (LEAF_SPAN, 4096, False),  # leaf 1: not cached
+        ]:
+            data = bytearray(length)
+            assert conn.fast(data, offset) == taken, (offset, length)
+            if taken:
+                assert data == default_image.expected(offset, length)
+        dev.dispatcher.set_table((4095,) * 4)  # over its class's threshold: the pool's
+        assert not conn.fast(bytearray(4096), 0)
+    finally:
+        dev.close()
+
+
+@pytest.mark.parametrize("keys", [{"ignore_zero_blocks": "true"},
+                                  {"check_at_most_once": "true"}, {"readahead": "true"}])
+def test_options_that_change_the_success_path_turn_it_off(default_image, monkeypatch, keys):
+    monkeypatch.delenv(FAST_PATH_ENV, raising=False)
+    pairs = default_image.pairs(**{"readahead": "false", **keys})
+    dev = Device(config_from_pairs(pairs))
+    try:
+        assert Connection(dev).fast is never
+    finally:
+        dev.close()
+
+
+def test_one_request_in_sample_every_is_timed(default_image, monkeypatch):
+    """Counts per request, latency samples per SAMPLE_EVERY requests of a thread."""
+    dev = device(default_image, monkeypatch)
+    try:
+        conn = Connection(dev)
+        buf = bytearray(4096)
+        conn.read(memoryview(buf), 0)  # general: counted and timed
+        for _ in range(2 * SAMPLE_EVERY):
+            assert conn.fast(buf, 0)
+        be = dev.dispatcher.stats
+        assert len(be.latency(conn.io_class, "inline")) == 1 + 2
+        assert dev.stats()["totals"]["data_blocks_verified"] == 1 + 2 * SAMPLE_EVERY
+    finally:
+        dev.close()
+
+
+def test_through_nbdkit_both_paths_count_alike(damaged, servers, sockdir):
+    """The same requests to a server on each path: same replies, same ctl stats counts."""
+    results, counts = [], []
+    for path in ("fast", "general"):
+        control = os.path.join(sockdir, f"{path}.ctl")
+        h = servers.start(damaged, path=path, control=control, readahead="false").connect()
+        replies = []
+        for offset, length in requests(2, damaged.size, 200):
+            try:
+                replies.append(bytes(h.pread(length, offset)))
+            except nbd.Error as e:  # the errno is what is compared
+                replies.append(e.errnum)
+        stats = control_request(control, {"cmd": "stats"})["stats"]
+        assert stats["fast_path"] == (path == "fast")
+        results.append(replies)
+        counts.append(({c: {p: (v["requests"], v["bytes"]) for p, v in paths.items()}
+                        for c, paths in stats["classes"].items()}, stats["totals"]))
+    assert results[0] == results[1]
+    assert counts[0] == counts[1]
+    assert any(isinstance(r, int) for r in results[0])  # some requests did fail
+    assert sum(len(r) for r in results[0] if isinstance(r, bytes)) > 2 * MIB
