@@ -30,21 +30,17 @@ import os
 from collections.abc import Callable
 from threading import get_ident
 from time import perf_counter
-from typing import TYPE_CHECKING
 
 from ..control.table import INLINE
 from ..limits import MAX_REQUEST_SIZE
 from ..sources.source import ImageFile
 
-if TYPE_CHECKING:
-    from .device import Connection, Device
-
 FAST_PATH_ENV = "NBD_VERITY_FAST_PATH"  # 0: every request takes the general path
 SAMPLE_EVERY = 64  # one request in this many (per thread and class) has its latency timed
 
 
-def enabled(device: Device) -> bool:
-    """Whether this device's requests may take the fast path at all (its options and
+def enabled(device) -> bool:
+    """Whether this device's (a device.Device) requests may take the fast path at all (its options and
     sources allow it, and the environment does not turn it off)."""
     verifier = device.verifier
     return (os.environ.get(FAST_PATH_ENV, "") not in ("0", "false", "no", "off")
@@ -57,9 +53,10 @@ def never(buf, offset: int) -> bool:
     return False
 
 
-def bind(connection: Connection) -> Callable[[object, int], bool]:
-    """The fast path of one connection: fast(buf, offset) -> True when it answered the
-    request (buf filled and verified), False when the general path must."""
+def bind(connection) -> Callable[[object, int], bool]:
+    """The fast path of one connection (a device.Connection, which calls this: not
+    imported here, so that the import runs one way): fast(buf, offset) -> True when it
+    answered the request (buf filled and verified), False when the general path must."""
     device = connection.device
     if connection.readahead is not None or not device.fast_path:
         return never

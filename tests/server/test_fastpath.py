@@ -14,13 +14,14 @@ import random
 
 import nbd
 import pytest
-from serverlib import FAST_PATH_ENV, MIB, control_request, flip_byte
 
 from nbd_verity.errors import VerityError
 from nbd_verity.format import digest
 from nbd_verity.serve.config import config_from_pairs
 from nbd_verity.serve.device import Connection, Device
 from nbd_verity.serve.fastpath import SAMPLE_EVERY, never
+
+from .serverlib import FAST_PATH_ENV, MIB, control_request, flip_byte
 
 pytestmark = pytest.mark.skipif(digest._native is None, reason="the fast path needs the "
                                 "native engine (not built, or NBD_VERITY_PURE=1)")
