@@ -40,8 +40,8 @@ SAMPLE_EVERY = 64  # one request in this many (per thread and class) has its lat
 
 
 def enabled(device) -> bool:
-    """Whether this device's (a device.Device) requests may take the fast path at all (its options and
-    sources allow it, and the environment does not turn it off)."""
+    """Whether the requests of a device (a device.Device) may take the fast path at all:
+    its options and sources allow it, and the environment does not turn it off."""
     verifier = device.verifier
     return (os.environ.get(FAST_PATH_ENV, "") not in ("0", "false", "no", "off")
             and verifier.fast_path_ready and device.fec is None
