@@ -12,7 +12,8 @@
  * length, so their 64-byte boundaries coincide and one schedule of blocks serves all.
  *
  * The code is compiled with target("sha,sse4.1") and only runs where CPUID says the CPU
- * has those (sha256x_new refuses otherwise), so the module builds and loads anywhere.
+ * has those (sha256x_new refuses otherwise, and under NBD_VERITY_NO_SHANI=1, which makes
+ * the process behave as on a CPU without them), so the module builds and loads anywhere.
  */
 
 #include "sha256x.h"
@@ -268,7 +269,7 @@ static SHANI void absorb(uint32_t h[8], const unsigned char *salt, size_t blocks
 
 sha256x *sha256x_new(const unsigned char *salt, size_t salt_size, int salt_first, int lanes)
 {
-    if (!sha256x_cpu_has_sha() || lanes < 1 || lanes > SHA256X_MAX_LANES ||
+    if (sha256x_default_lanes() == 0 || lanes < 1 || lanes > SHA256X_MAX_LANES ||
         salt_size > SHA256X_MAX_SALT)
         return NULL;
     sha256x *s = calloc(1, sizeof *s);

@@ -29,7 +29,8 @@ int sha256x_default_lanes(void);
 
 /* The state for one device: the salt absorbed first (format 1, salt_first) or kept to
  * be hashed last (format 0), hashing `lanes` (1..3) messages at once. NULL when the CPU
- * lacks the extensions, lanes is out of range, or on out of memory. */
+ * lacks the extensions or NBD_VERITY_NO_SHANI=1 (sha256x_default_lanes() is 0), lanes is
+ * out of range, or on out of memory. */
 sha256x *sha256x_new(const unsigned char *salt, size_t salt_size, int salt_first, int lanes);
 void sha256x_free(sha256x *s);
 int sha256x_lanes(const sha256x *s);
