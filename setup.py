@@ -1,8 +1,8 @@
 """The two optional C extensions; every other setting lives in pyproject.toml.
 
 nbd_verity.format._native is the verification core on OpenSSL's EVP API (digest.py uses
-it), with
-SHA-256 on the x86 SHA extensions in sha256x.c (chosen at run time by CPUID); nbd_verity.fec._rs is the Reed-Solomon codec of FEC (nbd_verity/fec/). Both are
+it), with SHA-256 on the x86 SHA extensions in sha256x.c (chosen at run time by CPUID);
+nbd_verity.fec._rs is the Reed-Solomon codec of FEC (nbd_verity/fec/). Both are
 optional=True: without a compiler or OpenSSL's headers the package still installs, and
 falls back to hashlib and to the pure-Python codec.
 """
