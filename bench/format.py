@@ -249,14 +249,20 @@ def table(results, size_mib: int) -> str:
     return "\n".join(lines)
 
 
-def section(results, size_mib: int, reps: int, command: str, loads: tuple,
-            redone: int) -> str:
-    spread, others = [], []
+def spreads(results) -> list[str]:
+    """'op tool min-max' of the wall seconds of each operation and tool."""
+    spread = []
     for op, by_tool in results.items():
         for name, timings in by_tool.items():
             walls = sorted(t.wall for t in timings)
             spread.append(f"{op} {name} {walls[0]:.3f}-{walls[-1]:.3f}")
-            others += [t.others for t in timings]
+    return spread
+
+
+def section(results, size_mib: int, reps: int, command: str, loads: tuple,
+            redone: int) -> str:
+    spread = spreads(results)
+    others = [t.others for by_tool in results.values() for ts in by_tool.values() for t in ts]
     return "\n".join([
         SECTION,
         "",
@@ -320,8 +326,10 @@ def main() -> None:
     work = args.dir / "work"
     work.mkdir(exist_ok=True)
     load = os.getloadavg()
-    print(f"{cpu_model()}, {os.cpu_count()} CPUs; load {load[0]:.2f}; image {image}",
-          flush=True)
+    engine = subprocess.run([OURS, "--version"], capture_output=True, text=True,
+                            check=False).stdout.strip().splitlines()[-1:]
+    print(f"{cpu_model()}, {os.cpu_count()} CPUs; load {load[0]:.2f}; image {image}; "
+          f"{''.join(engine)}", flush=True)
     if args.sweep:
         found = sweep(image, args.reps, args.quiet_wait)
         after = os.getloadavg()[0]
@@ -347,6 +355,7 @@ def main() -> None:
     text = section(results, args.size_mib, args.reps, command, loads, redone)
     print()
     print(table(results, args.size_mib))
+    print(f"range (min-max wall s): {'; '.join(spreads(results))}")
     print(f"load average before {loads[0][0]:.2f}, after {loads[1][0]:.2f}")
     others = [t.others for by_tool in results.values() for ts in by_tool.values() for t in ts]
     print(f"other processes' share of the CPUs during the runs: median "

@@ -25,6 +25,9 @@
 #include <openssl/crypto.h>
 #include <openssl/evp.h>
 
+#include "sha256x.h"     /* SHA-256 on the SHA extensions, interleaved (sha256x.c) */
+#include "sha256x_py.h"
+
 #define MAX_SALT_SIZE 256
 #define READ_FAILED (-2)     /* read_verify: the read failed or ended early */
 #define DIGEST_FAILED (-3)   /* an EVP call failed (out of memory, provider error) */
@@ -46,6 +49,8 @@ typedef struct {
     int digest_size;
     int slot_size;       /* digest_size padded to a power of two (format 1) or not (0) */
     Py_ssize_t release_size;
+    sha256x *fast;       /* sha256 on the SHA extensions (owned), or NULL: the EVP loops */
+    int lanes;           /* messages fast hashes at once; 0 without it */
 } Hasher;
 
 static int next_pow2(int n)
@@ -72,6 +77,11 @@ static int hash_one(const Hasher *self, EVP_MD_CTX *ctx, const unsigned char *da
 static int slots_run(const Hasher *self, EVP_MD_CTX *ctx, const unsigned char *data,
                      Py_ssize_t blocks, Py_ssize_t block_size, unsigned char *out)
 {
+    if (self->fast != NULL) {  /* sha256x hook */
+        sha256x_slots(self->fast, data, (size_t)blocks, (size_t)block_size, out,
+                      (size_t)self->slot_size);
+        return 0;
+    }
     for (Py_ssize_t i = 0; i < blocks; i++) {
         unsigned char *slot = out + i * self->slot_size;
         if (hash_one(self, ctx, data + i * block_size, (size_t)block_size, slot) < 0)
@@ -87,6 +97,9 @@ static Py_ssize_t verify_run(const Hasher *self, EVP_MD_CTX *ctx, const unsigned
                              Py_ssize_t blocks, Py_ssize_t block_size,
                              const unsigned char *expected)
 {
+    if (self->fast != NULL)  /* sha256x hook */
+        return sha256x_verify(self->fast, data, (size_t)blocks, (size_t)block_size,
+                              expected, (size_t)self->slot_size);
     unsigned char md[EVP_MAX_MD_SIZE];
     for (Py_ssize_t i = 0; i < blocks; i++) {
         if (hash_one(self, ctx, data + i * block_size, (size_t)block_size, md) < 0)
@@ -169,11 +182,12 @@ static PyObject *digest_error(void)
  * succeeds sets the object, so a failed __init__ leaves it not ready (check_ready). */
 static int Hasher_init(Hasher *self, PyObject *args, PyObject *kwargs)
 {
-    static char *keywords[] = {"algorithm", "salt", "hash_type", NULL};
+    static char *keywords[] = {"algorithm", "salt", "hash_type", "lanes", NULL};
     const char *name;
     Py_buffer salt;
-    int hash_type;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "sy*i", keywords, &name, &salt, &hash_type))
+    int hash_type, lanes = -1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "sy*i|i", keywords, &name, &salt,
+                                     &hash_type, &lanes))
         return -1;
     int ok = -1;
     EVP_MD *fetched = NULL;
@@ -204,6 +218,17 @@ static int Hasher_init(Hasher *self, PyObject *args, PyObject *kwargs)
         digest_error();
         goto done;
     }
+    /* sha256x hook: lanes -1 takes sha256x_default_lanes(), 0 the EVP loops, 1-3 asks
+     * for that many streams on the SHA extensions (ValueError if they cannot run). */
+    lanes = lanes < 0 && EVP_MD_is_a(fetched, "SHA2-256") ? sha256x_default_lanes() : lanes;
+    if (lanes > 0 && (!EVP_MD_is_a(fetched, "SHA2-256") ||
+                      (self->fast = sha256x_new(salt.buf, (size_t)salt.len, hash_type == 1,
+                                                lanes)) == NULL)) {
+        PyErr_Format(PyExc_ValueError, "lanes %d: no SHA-extension path for %s here",
+                     lanes, name);
+        goto done;
+    }
+    self->lanes = self->fast != NULL ? lanes : 0;
     memcpy(self->salt, salt.buf, (size_t)salt.len);
     self->salt_size = salt.len;
     self->hash_type = hash_type;
@@ -224,6 +249,7 @@ done:
 
 static void Hasher_dealloc(Hasher *self)
 {
+    sha256x_free(self->fast);
     EVP_MD_CTX_free(self->base);
     EVP_MD_free(self->fetched);
     Py_TYPE(self)->tp_free((PyObject *)self);
@@ -475,6 +501,8 @@ static PyMemberDef Hasher_members[] = {
     {"digest_size", T_INT, offsetof(Hasher, digest_size), READONLY, "bytes of a digest"},
     {"slot_size", T_INT, offsetof(Hasher, slot_size), READONLY, "bytes of a slot"},
     {"hash_type", T_INT, offsetof(Hasher, hash_type), READONLY, "verity format, 0 or 1"},
+    {"lanes", T_INT, offsetof(Hasher, lanes), READONLY,
+     "sha256 messages hashed at once on the SHA extensions, 0 on OpenSSL's EVP"},
     {"release_size", T_PYSSIZET, offsetof(Hasher, release_size), 0,
      "runs of at least this many bytes are hashed with the GIL released"},
     {NULL, 0, 0, 0, NULL},
@@ -526,7 +554,8 @@ PyMODINIT_FUNC PyInit__native(void)
     /* PyModule_AddType readies the type and takes its own reference only on success. */
     if (PyModule_AddType(m, &HasherType) < 0 ||
         PyModule_AddIntConstant(m, "READ_FAILED", READ_FAILED) < 0 ||
-        PyModule_AddIntConstant(m, "DEFAULT_RELEASE_SIZE", DEFAULT_RELEASE_SIZE) < 0) {
+        PyModule_AddIntConstant(m, "DEFAULT_RELEASE_SIZE", DEFAULT_RELEASE_SIZE) < 0 ||
+        sha256x_add_functions(m) < 0) {
         Py_DECREF(m);
         return NULL;
     }

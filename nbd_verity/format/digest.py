@@ -8,7 +8,9 @@ inputs of 2 KiB and more, so several threads hash blocks in parallel.
 
 Two engines compute the same bytes. The native one (nbd_verity.format._native, C on OpenSSL's
 EVP API) hashes a whole run of blocks in one call and releases the GIL once per run when
-the run is long enough to pay; it is used for every algorithm OpenSSL can compute. The
+the run is long enough to pay; it is used for every algorithm OpenSSL can compute. For
+sha256 on a CPU with the x86 SHA extensions it hashes two blocks at a time, interleaved
+(sha256x.c: "SHA-NI x2"), unless NBD_VERITY_NO_SHANI=1 keeps it on EVP. The
 pure-Python one (hashlib) is the reference, and the fallback: for an algorithm OpenSSL
 lacks, where the extension was not built, and when NBD_VERITY_PURE=1 forces it.
 """
@@ -23,6 +25,7 @@ from ..errors import ConfigError
 from ..limits import salt_size_problem
 
 PURE_ENV = "NBD_VERITY_PURE"  # set to 1 to force the pure-Python engine
+NO_SHANI_ENV = "NBD_VERITY_NO_SHANI"  # set to 1: sha256 on EVP, as on a CPU without SHA-NI
 # Bytes from which a run is hashed with the GIL released (default: DEFAULT_RELEASE_SIZE);
 # for measuring that threshold (bench/native_gil.py), not a setting.
 RELEASE_ENV = "NBD_VERITY_RELEASE_SIZE"
@@ -89,25 +92,51 @@ def normalize_algorithm(name: str) -> str:
     return lowered
 
 
-def native_hasher(algorithm: str, salt: bytes, hash_type: int):
+# Digester engines by name, and the sha256 streams each asks the native Hasher for:
+# -1 its default (SHA-NI x2 where it runs, else EVP), 0 OpenSSL's EVP, 1-3 SHA-NI streams.
+ENGINES = {"auto": -1, "evp": 0, "sha-ni x1": 1, "sha-ni x2": 2, "sha-ni x3": 3}
+
+
+def native_hasher(algorithm: str, salt: bytes, hash_type: int, lanes: int = -1):
     """A native Hasher for a normalized algorithm name, or None when the pure-Python
-    engine must do (forced, not built, or an algorithm OpenSSL cannot compute)."""
+    engine must do (forced, not built, an algorithm OpenSSL cannot compute, or SHA-NI
+    streams asked for where they cannot run)."""
     if _native is None:
         return None
     try:
-        return _native.Hasher(_OPENSSL_NAMES.get(algorithm, algorithm), salt, hash_type)
+        return _native.Hasher(_OPENSSL_NAMES.get(algorithm, algorithm), salt, hash_type,
+                              lanes=lanes)
     except ValueError:
         return None
 
 
+def engines_present(algorithm: str) -> list[str]:
+    """The Digester engines that can hash this algorithm here, "python" first: the
+    equality tests compare every one of them with it."""
+    names = ["python"]
+    for name, lanes in ENGINES.items():
+        if name != "auto" and native_hasher(algorithm, b"", 1, lanes) is not None:
+            names.append(name)
+    return names
+
+
+def _lanes_name(lanes: int) -> str:
+    """What hashes sha256 for a Hasher's lanes: 'SHA-NI x2', or 'EVP' for 0."""
+    return f"SHA-NI x{lanes}" if lanes else "EVP"
+
+
 def engine_name(algorithm: str | None = None) -> str:
-    """Which engine hashes (for an algorithm, or in general): 'native (OpenSSL 3.0.x)'
-    or 'python'."""
+    """Which engine hashes (for an algorithm, or in general), as --version and serve's
+    start-up line say it: 'native (OpenSSL 3.0.x, sha256: SHA-NI x2)', 'native (OpenSSL
+    3.0.x)' for another algorithm, or 'python'."""
     if _native is None:
         return "python"
     if algorithm is not None and native_hasher(normalize_algorithm(algorithm), b"", 1) is None:
         return "python"
-    return "native (" + " ".join(_native.openssl_version().split()[:2]) + ")"
+    openssl = " ".join(_native.openssl_version().split()[:2])
+    if algorithm is not None and normalize_algorithm(algorithm) != "sha256":
+        return f"native ({openssl})"
+    return f"native ({openssl}, sha256: {_lanes_name(_native.sha256_default_lanes())})"
 
 
 def parse_salt(text: str) -> bytes:
@@ -135,8 +164,10 @@ class Digester:
     With the native engine, `native` is its Hasher and the public methods are the
     Hasher's own (bound once here, so a call costs no Python frame); the verifier's hot
     path calls `native.read_verify` directly. Without it, `native` is None and the
-    methods below run on hashlib. engine="python" asks for hashlib whatever is built
-    (the equality tests compare the two in one process).
+    methods below run on hashlib. engine="python" asks for hashlib whatever is built,
+    "evp" for the native engine on OpenSSL's EVP even for sha256, "sha-ni x1".."x3" for
+    that many SHA-NI streams (ValueError where they cannot run): the equality tests
+    compare them all in one process.
 
     The parameters are those VerityParams.check() accepted: the one place that validates
     them (hash type, salt size; the algorithm is only mapped to hashlib's name here).
@@ -155,10 +186,12 @@ class Digester:
         self._pad = bytes(self.slot_size - self.digest_size)
         if hash_type == 1:
             self._base.update(self.salt)
-        if engine not in ("auto", "python"):
-            raise ValueError(f"engine {engine!r}: not 'auto' or 'python'")
-        self.native = (native_hasher(self.algorithm, self.salt, hash_type)
-                       if engine == "auto" else None)
+        if engine != "python" and engine not in ENGINES:
+            raise ValueError(f"engine {engine!r}: not 'python' or one of {', '.join(ENGINES)}")
+        self.native = (native_hasher(self.algorithm, self.salt, hash_type, ENGINES[engine])
+                       if engine != "python" else None)
+        if self.native is None and engine.startswith("sha-ni"):
+            raise ValueError(f"engine {engine!r}: SHA-NI cannot hash {self.algorithm} here")
         if self.native is not None and self.native.digest_size != self.digest_size:
             self.native = None  # never trust an engine that disagrees on the digest size
         self.release_size = int(os.environ.get(RELEASE_ENV) or DEFAULT_RELEASE_SIZE)
@@ -172,6 +205,13 @@ class Digester:
     def engine(self) -> str:
         """'native' or 'python': the engine this digester runs on."""
         return "python" if self.native is None else "native"
+
+    @property
+    def implementation(self) -> str:
+        """What computes this digester's runs: 'SHA-NI x2', 'OpenSSL EVP' or 'hashlib'."""
+        if self.native is None:
+            return "hashlib"
+        return _lanes_name(self.native.lanes) if self.native.lanes else "OpenSSL EVP"
 
     def digest(self, block) -> bytes:
         """The salted digest of one block (any bytes-like object)."""

@@ -33,6 +33,7 @@ def exec_server(pairs: Sequence[tuple[str, str]], listen: Mapping) -> None:
     argv = nbdkit_command(pairs, listen)
     sys.stderr.write(f"nbd-verity: serving {device.size} bytes, verified "
                      f"({device.params.algorithm}, {device.geo.levels} levels, "
+                     f"{device.verifier.digester.implementation}, "
                      f"{device.verifier.digester.engine} engine), "
                      f"{device.trust.describe()}\n")
     sys.stderr.flush()

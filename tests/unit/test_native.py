@@ -8,6 +8,7 @@ Python can name it. NBD_VERITY_PURE=1 keeps the compiled module out.
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 import subprocess
@@ -19,7 +20,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nbd_verity.format import digest
-from nbd_verity.format.digest import Digester, engine_name, native_hasher, supported_algorithms
+from nbd_verity.format.digest import (
+    Digester,
+    engine_name,
+    engines_present,
+    native_hasher,
+    supported_algorithms,
+)
 
 _native = digest._native
 pytestmark = pytest.mark.skipif(_native is None, reason="the native engine is not built, or "
@@ -34,6 +41,15 @@ def engines(algorithm: str, salt: bytes, hash_type: int) -> tuple[Digester, Dige
     pure = Digester(algorithm, salt, hash_type, engine="python")
     assert native.engine == "native" and pure.engine == "python"
     return native, pure
+
+
+def every_native(algorithm: str, salt: bytes, hash_type: int) -> list[Digester]:
+    """A native Digester on every engine present for the algorithm (OpenSSL's EVP, and
+    for sha256 on a CPU with the SHA extensions one to three interleaved streams)."""
+    natives = [Digester(algorithm, salt, hash_type, engine=name)
+               for name in engines_present(algorithm) if name != "python"]
+    assert natives and all(d.engine == "native" for d in natives)
+    return natives
 
 
 @st.composite
@@ -58,15 +74,16 @@ def test_every_algorithm_hashlib_has_runs_natively():
 @given(runs())
 def test_slots_and_digests_are_identical(run):
     algorithm, hash_type, salt, block_size, data = run
-    native, pure = engines(algorithm, salt, hash_type)
-    assert (native.slot_size, native.digest_size) == (pure.slot_size, pure.digest_size)
+    pure = Digester(algorithm, salt, hash_type, engine="python")
     slots = pure.slots_of(data, block_size)
-    assert native.slots_of(data, block_size) == slots
-    assert native.slots_of_held(memoryview(data), block_size) == slots
     assert pure.slots_of_held(data, block_size) == slots
-    assert native.digest(data) == pure.digest(data)
-    if slots:  # a slot's digest is its first digest_size bytes
-        assert native.stored(slots, 0) == pure.digest(data[:block_size])
+    for native in every_native(algorithm, salt, hash_type):
+        assert (native.slot_size, native.digest_size) == (pure.slot_size, pure.digest_size)
+        assert native.slots_of(data, block_size) == slots, native.implementation
+        assert native.slots_of_held(memoryview(data), block_size) == slots
+        assert native.digest(data) == pure.digest(data)
+        if slots:  # a slot's digest is its first digest_size bytes
+            assert native.stored(slots, 0) == pure.digest(data[:block_size])
 
 
 @settings(max_examples=300, deadline=None)
@@ -75,7 +92,8 @@ def test_slots_and_digests_are_identical(run):
 def test_verdicts_are_identical(run, damaged, where, at):
     """Damage some blocks (or their slots); both engines name the same first block."""
     algorithm, hash_type, salt, block_size, data = run
-    native, pure = engines(algorithm, salt, hash_type)
+    natives = every_native(algorithm, salt, hash_type)
+    native, pure = natives[0], Digester(algorithm, salt, hash_type, engine="python")
     blocks = len(data) // block_size
     expected = bytearray(pure.slots_of(data, block_size))
     damaged = sorted({d for d in damaged if d < blocks})
@@ -89,8 +107,9 @@ def test_verdicts_are_identical(run, damaged, where, at):
     assert pure.verify(data, block_size, expected) == first
     pure.release_size = 0  # every run hashed with the GIL released
     assert pure.verify(data, block_size, expected) == first
-    assert native.verify(data, block_size, expected) == first
-    assert native.native.verify(data, block_size, expected) == first
+    for native in natives:
+        assert native.verify(data, block_size, expected) == first, native.implementation
+        assert native.native.verify(data, block_size, expected) == first
 
 
 @settings(max_examples=100, deadline=None)
@@ -99,7 +118,7 @@ def test_read_verify_reads_then_verifies_like_verify(tmp_path_factory, run, dama
     """read_verify fills buf with the file's bytes at offset and gives verify's verdict,
     with the GIL held (short runs) or released (long runs)."""
     algorithm, hash_type, salt, block_size, data = run
-    native, pure = engines(algorithm, salt, hash_type)
+    pure = Digester(algorithm, salt, hash_type, engine="python")
     expected = pure.slots_of(data, block_size)
     for block in {d for d in damaged if d < len(data) // block_size}:
         data[block * block_size] ^= 1
@@ -108,12 +127,13 @@ def test_read_verify_reads_then_verifies_like_verify(tmp_path_factory, run, dama
     path.write_bytes(bytes(offset) + bytes(data))
     fd = os.open(path, os.O_RDONLY)
     try:
-        for release_size in (1 << 62, 0):
+        for native, release_size in itertools.product(
+                every_native(algorithm, salt, hash_type), (1 << 62, 0)):
             native.native.release_size = release_size
             buf = bytearray(len(data))
             verdict = native.native.read_verify(fd, buf, offset, block_size, expected)
             assert buf == data
-            assert verdict == pure.verify(data, block_size, expected)
+            assert verdict == pure.verify(data, block_size, expected), native.implementation
     finally:
         os.close(fd)
 
@@ -235,6 +255,8 @@ def test_module_constants():
 def test_engine_name_says_native_and_which_openssl():
     assert engine_name() == engine_name("sha256")
     assert engine_name().startswith("native (OpenSSL 3.")
+    assert engine_name().endswith(", sha256: SHA-NI x2)" if _native.sha256_default_lanes()
+                                  else ", sha256: EVP)")
 
 
 def test_nbd_verity_pure_forces_the_python_engine():

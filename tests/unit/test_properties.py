@@ -5,6 +5,8 @@
 2. Flipping any single byte of any data block or of any hash block makes `verify` exit 1
    and name exactly that block: "data block N is corrupted" or "metadata block N is
    corrupted (level L)", N being the absolute block number in the hash image.
+Each example runs on one of the engines present for its algorithm (hashlib, OpenSSL's
+EVP, and for sha256 SHA-NI with one to three streams where the CPU has it).
 The CLI runs in-process (click's CliRunner) so that hundreds of examples stay fast; the
 subprocess tests elsewhere check the installed console script itself.
 """
@@ -16,6 +18,7 @@ import random
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from unittest import mock
 
 from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
@@ -23,6 +26,7 @@ from hypothesis import strategies as st
 
 from nbd_verity.cli import main
 from nbd_verity.format.builder import build_tree
+from nbd_verity.format.digest import Digester, engines_present
 from nbd_verity.format.params import VerityParams
 
 from ..damage import flip_byte
@@ -47,6 +51,7 @@ class Layout:
     superblock: bool
     hash_offset: int
     seed: int
+    engine: str  # the Digester engine that builds and verifies
 
     def params(self) -> VerityParams:
         return VerityParams(data_blocks=self.data_blocks, hash_type=self.hash_type,
@@ -70,10 +75,17 @@ class Layout:
         return options
 
 
+def on_engine(engine: str):
+    """Every VerityParams in the block (the builder's, the CLI's) hashes on engine."""
+    return mock.patch.object(VerityParams, "digester", lambda self: Digester(
+        self.algorithm, self.salt, self.hash_type, engine=engine))
+
+
 @st.composite
 def layouts(draw) -> Layout:
+    algorithm = draw(st.sampled_from(MODEL_ALGORITHMS))
     return Layout(
-        algorithm=draw(st.sampled_from(MODEL_ALGORITHMS)),
+        algorithm=algorithm,
         hash_type=draw(st.sampled_from([0, 1])),
         data_block_size=draw(st.sampled_from([512, 1024, 4096])),
         hash_block_size=draw(st.sampled_from([512, 1024, 4096])),
@@ -84,6 +96,7 @@ def layouts(draw) -> Layout:
         superblock=draw(st.booleans()),
         hash_offset=draw(st.sampled_from([0, 512, 4096, 8192 + 512])),
         seed=draw(st.integers(0, 2**32)),
+        engine=draw(st.sampled_from(engines_present(algorithm))),
     )
 
 
@@ -116,7 +129,7 @@ def test_tree_matches_a_naive_model(layout):
     root, levels = model_tree(layout)
     geo = layout.params().geometry()
     assert geo.level_blocks == tuple(len(blocks) for blocks in levels)
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, on_engine(layout.engine):
         data, hash_image = Path(tmp, "data"), Path(tmp, "hash")
         data.write_bytes(layout.data())
         assert build_tree(str(data), str(hash_image), layout.params()) == root
@@ -151,7 +164,7 @@ def test_any_corrupted_byte_is_found_and_named(case):
     layout, target, level, index, byte, xor = case
     geo = layout.params().geometry()
     runner = CliRunner()
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, on_engine(layout.engine):
         data, hash_image = Path(tmp, "data"), Path(tmp, "hash")
         data.write_bytes(layout.data())
         root = build_tree(str(data), str(hash_image), layout.params()).hex()
