@@ -34,6 +34,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def port_accepts(port: int) -> bool:
+    """Whether a server on 127.0.0.1:port accepts a connection now (its readiness)."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1.0):
+            return True
+    except OSError:
+        return False
+
+
 class Lighttpd(Launched):
     """lighttpd serving one directory on 127.0.0.1:port (it serves byte ranges)."""
 
@@ -51,12 +60,7 @@ class Lighttpd(Launched):
                          name="lighttpd")
 
     def is_ready(self) -> bool:
-        """Ready when the port accepts a connection."""
-        try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=1.0):
-                return True
-        except OSError:
-            return False
+        return port_accepts(self.port)
 
     def url(self, name: str) -> str:
         return f"http://127.0.0.1:{self.port}/{name}"
@@ -85,12 +89,7 @@ class MotoS3(Launched):
         return f"http://127.0.0.1:{self.port}"
 
     def is_ready(self) -> bool:
-        """Ready when the port accepts a connection."""
-        try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=1.0):
-                return True
-        except OSError:
-            return False
+        return port_accepts(self.port)
 
     def client(self, service: str = "s3", key_id: str = "testing", secret: str = "testing"):
         import boto3
@@ -105,6 +104,16 @@ class MotoS3(Launched):
             s3.put_object(Bucket=bucket, Key=key, Body=Path(path).read_bytes())
 
 
+def started(server: Launched) -> Launched:
+    """server started and ready (a context manager that stops it by its pid), or the
+    step fails with the reason in one line."""
+    try:
+        server.start(timeout=READY_TIMEOUT_S)
+    except VerityError as e:
+        raise StepFailed(str(e)) from None
+    return server
+
+
 @contextlib.contextmanager
 def web_server(w: Walkthrough, docroot: Path):
     """lighttpd on a free port, stopped by its pid."""
@@ -112,11 +121,7 @@ def web_server(w: Walkthrough, docroot: Path):
         raise StepFailed("lighttpd is not installed (`make setup` installs it)")
     server = Lighttpd(docroot, w.workdir / "www-conf")
     w.say(f"$ lighttpd -D -f {server.argv[-1]} &   # 127.0.0.1:{server.port}, {docroot.name}/")
-    try:
-        server.start(timeout=READY_TIMEOUT_S)
-    except VerityError as e:
-        raise StepFailed(str(e)) from None
-    with server:
+    with started(server):
         yield server
 
 
@@ -185,11 +190,7 @@ def serve_from_s3(w: Walkthrough) -> None:
         raise StepFailed("moto is not installed (`make setup` installs it)")
     store = MotoS3(w.workdir / "s3-conf")
     w.say(f"$ python -m moto.server -H 127.0.0.1 -p {store.port} &   # a local S3 store")
-    try:
-        store.start(timeout=READY_TIMEOUT_S)
-    except VerityError as e:
-        raise StepFailed(str(e)) from None
-    with store:
+    with started(store):
         store.fill("demo-images", {"disk.raw": w.data, "disk.verity": w.hash})
         w.say("uploaded the image to s3://demo-images/disk.raw and disk.verity")
         damaged = w.workdir / "s3-disk.raw"

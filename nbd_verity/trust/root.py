@@ -80,11 +80,7 @@ def resolve_root(data: str, hash_image: str | None = None, root_hash: str | None
         sig_source = signature_path
         if verity_sig is not None:
             fingerprint = verity_sig.certificate_fingerprint
-            if root_hash is None:
-                root_hash, source = verity_sig.root_hash, signature_path
-            elif root_hash != verity_sig.root_hash:
-                raise SignatureError(f"root-hash-signature: {signature_path} is for root hash "
-                                     f"{verity_sig.root_hash}, not {root_hash}")
+            root_hash, source = _signed_root(root_hash, source, verity_sig, signature_path)
     hash_image = hash_image or found.hash_image
     if hash_image is None:
         raise ConfigError(f"hash: missing (give the hash image, or put "
@@ -97,6 +93,18 @@ def resolve_root(data: str, hash_image: str | None = None, root_hash: str | None
                              "root-hash-signature, or put IMAGE.roothash.p7s beside it)")
     return _settle(hash_image, root_hash, source, der, sig_source, fingerprint,
                    trusted_certs, search_path)
+
+
+def _signed_root(root_hash: str | None, source: str, verity_sig,
+                 sig_source: str) -> tuple[str, str]:
+    """The root hash and where it came from, given a verity.sig object: its rootHash
+    when none was given, else the given one, which it must equal."""
+    if root_hash is None:
+        return verity_sig.root_hash, sig_source
+    if root_hash != verity_sig.root_hash:
+        raise SignatureError(f"root-hash-signature: {sig_source} is for root hash "
+                             f"{verity_sig.root_hash}, not {root_hash}")
+    return root_hash, source
 
 
 def resolve_ddi_root(image: str, hash_image: str, root_hash: str | None,
@@ -119,11 +127,7 @@ def resolve_ddi_root(image: str, hash_image: str, root_hash: str | None,
         der = verity_sig.signature
     source = "given"
     if verity_sig is not None:
-        if root_hash is None:
-            root_hash, source = verity_sig.root_hash, sig_source
-        elif root_hash != verity_sig.root_hash:
-            raise SignatureError(f"root-hash-signature: {sig_source} is for root hash "
-                                 f"{verity_sig.root_hash}, not {root_hash}")
+        root_hash, source = _signed_root(root_hash, source, verity_sig, sig_source)
     if root_hash is None:
         raise ConfigError(f"root-hash: missing ({image} has no verity signature partition: "
                           f"give the root hash)")
