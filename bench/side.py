@@ -55,26 +55,16 @@ def start(server: servers.Server, engine: str | None) -> None:
             os.environ["NBD_VERITY_PURE"] = saved
 
 
-def spread(xs: list[float]) -> str:
-    return f"{min(xs):.0f}/{statistics.median(xs):.0f}/{max(xs):.0f}"
-
-
-def main(argv: list[str]) -> int:
-    rounds = int(argv[0]) if argv else 3
-    seconds = float(argv[1]) if len(argv) > 1 else 5.0
-    engines = argv[2].split(",") if len(argv) > 2 else ["native"]
-    image = images.random_image(1 << 30)
-    images.warm(image.data)
-    images.warm(image.hash)
-    jobs = [Job("randread", 4 * KIB, 8, 1, seconds), Job("read", 512 * KIB, 8, 1, seconds),
-            Job("read", 2 * MIB, 1, 1, seconds)]
-    members = group(image, engines)
+def measure(members, start, image, jobs: list[Job], rounds: int):
+    """Every server of members alive at once (start(server, extra) starts each), each job
+    run on each in turn, the whole round repeated; returns {server: {job: [MB/s]}} and
+    one pass of `openssl dgst -sha256` per round (MB/s)."""
     mbs: dict[str, dict[str, list[float]]] = {s.name: {j.label(): [] for j in jobs}
                                               for s, _ in members}
     openssl: list[float] = []
     try:
-        for server, engine in members:
-            start(server, engine)
+        for server, extra in members:
+            start(server, extra)
             if server.kind == "verity":
                 prefill(server, image.size)
         for r in range(rounds):
@@ -88,6 +78,23 @@ def main(argv: list[str]) -> int:
     finally:
         for server, _ in members:
             server.stop()
+    return mbs, openssl
+
+
+def spread(xs: list[float]) -> str:
+    return f"{min(xs):.0f}/{statistics.median(xs):.0f}/{max(xs):.0f}"
+
+
+def main(argv: list[str]) -> int:
+    rounds = int(argv[0]) if argv else 3
+    seconds = float(argv[1]) if len(argv) > 1 else 5.0
+    engines = argv[2].split(",") if len(argv) > 2 else ["native"]
+    image = images.random_image(1 << 30)
+    images.warm(image.data)
+    images.warm(image.hash)
+    jobs = [Job("randread", 4 * KIB, 8, 1, seconds), Job("read", 512 * KIB, 8, 1, seconds),
+            Job("read", 2 * MIB, 1, 1, seconds)]
+    mbs, openssl = measure(group(image, engines), start, image, jobs, rounds)
     cores = os.cpu_count() or 1
     s = statistics.median(openssl)
     rand, seq, one = (j.label() for j in jobs)

@@ -25,12 +25,11 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import fiorun  # noqa: E402
 import images  # noqa: E402
 import servers  # noqa: E402
 from fiorun import Job  # noqa: E402
-from run import THREAD_MODELS, prefill, say, timed  # noqa: E402
-from side import spread  # noqa: E402
+from run import THREAD_MODELS  # noqa: E402
+from side import measure, spread  # noqa: E402
 
 KIB, MIB = 1 << 10, 1 << 20
 PASS, SERIAL = "Python pass-through, parallel", "Python pass-through, serialised"
@@ -80,26 +79,8 @@ def main(argv: list[str]) -> int:
     images.warm(image.hash)
     jobs = [Job("randread", 4 * KIB, 8, 1, seconds), Job("read", 512 * KIB, 8, 1, seconds),
             Job("read", 2 * MIB, 1, 1, seconds)]
-    group = members(image)
-    mbs = {s.name: {j.label(): [] for j in jobs} for s, _ in group}
-    openssl: list[float] = []
     before = load()
-    try:
-        for server, env in group:
-            start(server, env)
-            if server.kind == "verity":
-                prefill(server, image.size)
-        for r in range(rounds):
-            openssl.append(image.size / timed(["openssl", "dgst", "-sha256",
-                                               str(image.data)]) / 1e6)
-            for job in jobs:
-                for server, _ in group:
-                    say(f"round {r + 1}: {server.name}: {job.label()}")
-                    mbs[server.name][job.label()].append(
-                        fiorun.run(server.uri(), job, image.size).mb_s)
-    finally:
-        for server, _ in group:
-            server.stop()
+    mbs, openssl = measure(members(image), start, image, jobs, rounds)
     print(report(mbs, jobs, openssl, rounds, seconds, before, load()))
     return 0
 

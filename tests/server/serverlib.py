@@ -22,6 +22,8 @@ import shutil
 import socket
 import struct
 import subprocess
+import threading
+import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -343,3 +345,48 @@ def raw_read_reply(sock: socket.socket, handle: int, length: int) -> tuple[int, 
 def control_request(path: str, request: dict) -> dict:
     """One request on the server's control socket; it must succeed."""
     return checked_request(path, request)
+
+
+def wait_for(condition, what: str, timeout: float = 90.0) -> None:
+    """Poll condition() until it holds; fail the test naming what after timeout s."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def reads_across_an_outage(h, expected: bytes, outage, chunk: int = 64 << 10) -> dict:
+    """Read the whole device over and over in a thread while outage() takes the upstream
+    away and back: every read must be EIO or the right bytes (nothing else), and reads
+    must go on afterwards. Returns how many were each."""
+    outcomes = {"ok": 0, "eio": 0}
+    done = threading.Event()
+    problems: list[str] = []
+
+    def reader():
+        while not done.is_set():
+            for offset in range(0, len(expected), chunk):
+                try:
+                    got = h.pread(chunk, offset)
+                except nbd.Error as e:
+                    if error_number(e) != errno.EIO:
+                        problems.append(f"{offset}: {e}")
+                    outcomes["eio"] += 1
+                    continue
+                if got != expected[offset:offset + chunk]:
+                    problems.append(f"wrong bytes at {offset}")
+                outcomes["ok"] += 1
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    try:
+        wait_for(lambda: outcomes["ok"] >= 8, "reads before the outage")
+        outage()
+        before = outcomes["ok"] + outcomes["eio"]
+        wait_for(lambda: outcomes["ok"] + outcomes["eio"] >= before + 40,
+                 "reads after the outage")
+    finally:
+        done.set()
+        thread.join(120)
+    assert not problems, problems
+    return outcomes

@@ -11,7 +11,6 @@ import glob
 import os
 import random
 import shutil
-import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -27,6 +26,7 @@ from .serverlib import (
     flip_byte,
     make_image,
     random_bytes,
+    reads_across_an_outage,
 )
 from .upstreams import Lighttpd, NbdkitFile
 
@@ -137,47 +137,15 @@ def test_http_server_restarted_mid_read(http_served, web, remote_image):
     server = http_served("--cache-size", "4K")  # hash blocks are re-read too
     h = server.connect()
     expected = remote_image.expected()
-    outcomes = {"ok": 0, "eio": 0}
-    done = threading.Event()
-    problems: list[str] = []
 
-    def reader():
-        while not done.is_set():
-            for offset in range(0, remote_image.size, CHUNK):
-                try:
-                    got = h.pread(CHUNK, offset)
-                except nbd.Error as e:
-                    if error_number(e) != errno.EIO:
-                        problems.append(f"{offset}: {e}")
-                    outcomes["eio"] += 1
-                    continue
-                if got != expected[offset:offset + CHUNK]:
-                    problems.append(f"wrong bytes at {offset}")
-                outcomes["ok"] += 1
-
-    thread = threading.Thread(target=reader)
-    thread.start()
-    try:
-        _wait_for(lambda: outcomes["ok"] >= 8, "reads before the outage")
+    def outage():
         web.stop()
         time.sleep(0.5)  # the outage itself
         web.start()
-        before = outcomes["ok"] + outcomes["eio"]
-        _wait_for(lambda: outcomes["ok"] + outcomes["eio"] >= before + 40,
-                  "reads after the restart")
-    finally:
-        done.set()
-        thread.join(60)
-    assert not problems, problems
+
+    outcomes = reads_across_an_outage(h, expected, outage, CHUNK)
     print(f"reads across the restart: {outcomes}")
     assert read_all(h, remote_image.size) == expected  # and served again afterwards
-
-
-def _wait_for(condition, what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
 
 
 # -- NBD upstreams ----------------------------------------------------------------------

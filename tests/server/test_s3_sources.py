@@ -7,16 +7,12 @@ EIO, and a store that cannot give the image is one line at start-up.
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import shutil
 import subprocess
-import threading
-import time
 from pathlib import Path
 
-import nbd
 import pytest
 
 from ..pki import make_identity
@@ -24,11 +20,11 @@ from .serverlib import (
     MIB,
     NBD_VERITY,
     control_request,
-    error_number,
     expect_eio,
     flip_byte,
     make_image,
     random_bytes,
+    reads_across_an_outage,
     run_refusal,
 )
 from .upstreams import MotoS3
@@ -160,47 +156,15 @@ def test_s3_server_restarted_mid_read(served, store, s3_image):
                     "--cache-size", "4K")  # hash blocks are re-read too
     h = server.connect()
     expected = s3_image.expected()
-    outcomes = {"ok": 0, "eio": 0}
-    done = threading.Event()
-    problems: list[str] = []
 
-    def reader():
-        while not done.is_set():
-            for offset in range(0, s3_image.size, CHUNK):
-                try:
-                    got = h.pread(CHUNK, offset)
-                except nbd.Error as e:
-                    if error_number(e) != errno.EIO:
-                        problems.append(f"{offset}: {e}")
-                    outcomes["eio"] += 1
-                    continue
-                if got != expected[offset:offset + CHUNK]:
-                    problems.append(f"wrong bytes at {offset}")
-                outcomes["ok"] += 1
-
-    thread = threading.Thread(target=reader)
-    thread.start()
-    try:
-        _wait_for(lambda: outcomes["ok"] >= 8, "reads before the outage")
+    def outage():
         store.stop()
         store.start()  # in memory: the bucket is gone until it is filled again
         store.fill(BUCKET, objects(s3_image))
-        before = outcomes["ok"] + outcomes["eio"]
-        _wait_for(lambda: outcomes["ok"] + outcomes["eio"] >= before + 40,
-                  "reads after the restart")
-    finally:
-        done.set()
-        thread.join(120)
-    assert not problems, problems
+
+    outcomes = reads_across_an_outage(h, expected, outage, CHUNK)
     print(f"reads across the restart: {outcomes}")
     assert read_all(h, s3_image.size) == expected
-
-
-def _wait_for(condition, what: str, timeout: float = 90.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
 
 
 # -- refusals at start-up: one line each ----------------------------------------------
