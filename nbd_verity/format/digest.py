@@ -199,7 +199,7 @@ class Digester:
             self.native.release_size = self.release_size
             self.digest = self.native.digest
             self.slots_of = self.slots_of_held = self.native.slots
-            self.verify = self._verify_native
+            self.verify = self.native.verify  # releases the GIL by run length itself
 
     @property
     def engine(self) -> str:
@@ -285,9 +285,6 @@ class Digester:
             return -1
         return next(self.differing_slots(slots, expected), -1)
 
-    def _verify_native(self, buf, block_size: int, expected) -> int:
-        """verify() on the native engine (which releases the GIL by run length itself)."""
-        return self.native.verify(buf, block_size, expected)
 
 
 def _check_run(size: int, block_size: int, expected_size: int, slot_size: int) -> None:

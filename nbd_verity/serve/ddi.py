@@ -19,14 +19,14 @@ import contextlib
 import os
 from dataclasses import dataclass, replace
 
-from ..errors import ImageIOError, PartitionTableError, VerityError
+from ..errors import ImageIOError, PartitionTableError, SidecarError, VerityError
 from ..format.ddi import AUTO, Triple, choose, match_triple, signature_partitions
 from ..format.dps import partition_type
 from ..format.gpt import GptPartition, PartitionTable, has_gpt_signature, read_partition_table
 from ..sources.partition import PartitionSource
 from ..sources.remote import is_uri, open_source
 from ..trust.root import TrustedRoot, resolve_ddi_root
-from ..trust.sidecar import MAX_SIDECAR_SIZE, auxiliary_path, parse_verity_sig
+from ..trust.sidecar import MAX_SIDECAR_SIZE, auxiliary_path, parse_hex, parse_verity_sig
 
 
 @dataclass
@@ -72,9 +72,10 @@ def open_ddi(location: str, designator: str = AUTO, root_hash: str | None = None
     try:
         table = read_partition_table(whole, location)
         designator, arch = choose(table, location, designator)
-        signature = _signature(whole, signature_partitions(table, designator, arch),
-                               root_hash, location)
-        blob = _read_partition(whole, signature, location) if signature else None
+        signature = blob = None  # a signature file given replaces the partition's
+        if signature_path is None:
+            signature, blob = _signature(whole, signature_partitions(table, designator, arch),
+                                         root_hash, location)
         trust = resolve_ddi_root(location, location, root_hash, blob,
                                  f"{location} ({label(signature)})" if signature else None,
                                  signature_path, trusted_certs, require_signatures)
@@ -99,21 +100,26 @@ def open_ddi(location: str, designator: str = AUTO, root_hash: str | None = None
 
 
 def _signature(source, parts: list[GptPartition], root_hash: str | None,
-               name: str) -> GptPartition | None:
-    """The signature partition to use: the only one, or with a root hash given the one
-    for that root hash (A/B images carry one per version)."""
+               name: str) -> tuple[GptPartition | None, bytes | None]:
+    """The signature partition to use and its bytes, read once: the only one, or with a
+    root hash given the one for that root hash (A/B images carry one per version)."""
     if len(parts) <= 1:
-        return parts[0] if parts else None
+        return (parts[0], _read_partition(source, parts[0], name)) if parts else (None, None)
     if root_hash is None:
         raise PartitionTableError(f"{name}: {len(parts)} verity signature partitions "
                                   f"({', '.join(label(p) for p in parts)}): give the root "
                                   f"hash to choose")
-    want = root_hash.strip().lower()
+    want = parse_hex(root_hash, "root-hash", "root hash")
+    first = None
     for part in parts:
-        sig = parse_verity_sig(_read_partition(source, part, name), f"{name} ({label(part)})")
-        if sig.root_hash == want:
-            return part
-    return parts[0]  # none is for it: resolve_ddi_root says so in one line
+        blob = _read_partition(source, part, name)
+        first = first or (part, blob)
+        try:
+            if parse_verity_sig(blob, f"{name} ({label(part)})").root_hash == want:
+                return part, blob
+        except SidecarError:  # another version's damaged signature: not this one
+            continue
+    return first  # none is for it: resolve_ddi_root says so in one line
 
 
 def _read_partition(source, part: GptPartition, name: str) -> bytes:

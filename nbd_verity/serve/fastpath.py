@@ -32,8 +32,6 @@ from threading import get_ident
 from time import perf_counter
 
 from ..control.table import INLINE
-from ..limits import MAX_REQUEST_SIZE
-from ..sources.source import ImageFile
 
 FAST_PATH_ENV = "NBD_VERITY_FAST_PATH"  # 0: every request takes the general path
 SAMPLE_EVERY = 64  # one request in this many (per thread and class) has its latency timed
@@ -44,8 +42,7 @@ def enabled(device) -> bool:
     its options and sources allow it, and the environment does not turn it off."""
     verifier = device.verifier
     return (os.environ.get(FAST_PATH_ENV, "") not in ("0", "false", "no", "off")
-            and verifier.fast_path_ready and device.fec is None
-            and isinstance(device.data, ImageFile))
+            and verifier.fast_path_ready and device.fec is None)  # ready: a local file
 
 
 def never(buf, offset: int) -> bool:
@@ -84,8 +81,8 @@ def bind(connection) -> Callable[[object, int], bool]:
 
     def fast(buf, offset: int) -> bool:
         size = len(buf)
-        if (offset & mask or size & mask or not 0 < size <= MAX_REQUEST_SIZE
-                or size > dispatcher.table[io_class]):
+        if (offset & mask or size & mask or not size
+                or size > dispatcher.table[io_class]):  # thresholds <= MAX_REQUEST_SIZE
             return False
         first = offset >> shift
         blocks = size >> shift

@@ -25,6 +25,7 @@ from contextlib import closing
 from dataclasses import dataclass
 
 from ..errors import ConfigError, SidecarError
+from .source import read_capped
 
 MAX_SIDECAR = 1 << 20  # a root hash or a PKCS#7 signature is far smaller
 TIMEOUT_S = 10.0  # connect and read timeout of start-up's own requests
@@ -138,9 +139,10 @@ def _size(s3, url: str) -> int | None:
     response = _get(s3, url, "bytes=0-0")
     if response is None:
         return None
-    with closing(response["Body"]) as body:
-        body.read()
+    response["Body"].close()  # one byte asked; a store that ignores Range sends it all
     total = response.get("ContentRange", "").rpartition("/")[2]
+    if not total.isdigit() and response.get("ContentRange") is None:
+        total = str(response.get("ContentLength", ""))  # a 200: the whole object's size
     if not total.isdigit():
         raise ConfigError(f"{url}: the store gave no size (Content-Range "
                           f"{response.get('ContentRange')!r})")
@@ -172,11 +174,12 @@ def sidecar_reader(options: S3Options):
         if response.get("ContentLength", 0) > MAX_SIDECAR:
             response["Body"].close()
             raise SidecarError(f"{url}: larger than {MAX_SIDECAR} bytes")
-        with closing(response["Body"]) as body:
-            blob = body.read(MAX_SIDECAR + 1)
-        if len(blob) > MAX_SIDECAR:
-            raise SidecarError(f"{url}: larger than {MAX_SIDECAR} bytes")
-        return blob
+        from botocore.exceptions import BotoCoreError
+        try:
+            with closing(response["Body"]) as body:
+                return read_capped(body, MAX_SIDECAR, url, SidecarError)
+        except BotoCoreError as e:  # the stream broke off or timed out
+            raise SidecarError(f"{url}: {e}") from None
 
     def exists(url: str) -> bool:
         return _size(shared(url), url) is not None
