@@ -13,7 +13,7 @@ setup: $(VENV)/.installed
 
 # Debian packages first (idempotent: apt only runs when one is missing), then the venv
 # from Debian's python3, which is the interpreter nbdkit embeds.
-$(VENV)/.installed: pyproject.toml setup.py $(wildcard nbd_verity/format/*.[ch]) nbd_verity/fec/_rs.c  # C built in place
+$(VENV)/.installed: pyproject.toml setup.py $(wildcard nbd_verity/format/*.[ch]) nbd_verity/fec/_rs.c nbd_verity/serve/_threadstate.c  # C built in place
 	@missing=$$(for p in $(DEB_PACKAGES); do dpkg-query -W -f='$${Status}' $$p 2>/dev/null \
 		| grep -q 'install ok installed' || echo $$p; done); \
 	if [ -n "$$missing" ]; then \

@@ -1,11 +1,13 @@
 """The ceiling of a verifying Python plugin: one read_verify call per request, nothing else.
 
 An nbdkit Python plugin for measurement only, never for serving: it holds the whole of
-level 0 of the tree in memory, read once at start-up and not checked against the root,
-and its pread is the least a verifying plugin can do: one native read_verify (preadv into
+level 0 of the tree in memory, read once at start-up and not checked against the root, and
+its pread is the least a verifying plugin can do: one native read_verify (preadv into
 nbdkit's buffer, SHA-256 of each block, compare with its slot) per level-0 block the
-request covers, no counters, no cache, no class. nbd-verity's fast path is measured
-against it (bench/threads.py): the gap is the fast path's own bookkeeping.
+request covers, no counters, no cache, no class; like nbd-verity it keeps each nbdkit
+thread's Python thread state between requests (nbd_verity/serve/threadstate.py). nbd-
+verity's fast path is measured against it (bench/threads.py): the gap is the fast path's
+own bookkeeping.
 Usage: nbdkit python bench/bareplugin.py data=D hash=H [thread-model=parallel|
 serialize-requests|serialize-all-requests]   (Python 3 with nbd_verity on PYTHONPATH)
 """
@@ -15,6 +17,7 @@ import os
 import nbdkit
 
 from nbd_verity.format.params import load_params
+from nbd_verity.serve.threadstate import keep
 from nbd_verity.sources.source import ImageFile
 
 API_VERSION = 2
@@ -66,6 +69,7 @@ def can_multi_conn(h):
 
 def pread(h, buf, offset, flags):
     """Aligned requests only (fio's are): each leaf's run in one read_verify call."""
+    keep()
     s = _state
     geo, level0, read_verify, fd = s["geo"], s["level0"], s["read_verify"], s["fd"]
     dbs = geo.data_block_size

@@ -73,9 +73,14 @@ def run(uri: str, job: Job, device_size: int) -> Result:
                           check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"fio failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr}")
-    report = json.loads(proc.stdout[proc.stdout.index("{"):])
+    return parse(proc.stdout, " ".join(cmd))
+
+
+def parse(stdout: str, what: str = "fio") -> Result:
+    """The aggregate figures of fio's JSON output (after whatever it printed first)."""
+    report = json.loads(stdout[stdout.index("{"):])
     (agg,) = report["jobs"]
     if agg["error"]:
-        raise RuntimeError(f"fio job error {agg['error']}: {' '.join(cmd)}")
+        raise RuntimeError(f"fio job error {agg['error']}: {what}")
     read = agg["read"]
     return Result(float(read["bw_bytes"]), float(read["iops"]), int(read["io_bytes"]))

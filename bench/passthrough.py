@@ -2,7 +2,10 @@
 
 It is the Python ceiling for benchmarks: same nbdkit, same threads, same preadv straight
 into nbdkit's buffer as nbd-verity, minus the hashing and bookkeeping.
-Usage: nbdkit python bench/passthrough.py file=/abs/path.img
+With keep-thread-state=yes it keeps each nbdkit thread's Python thread state between
+requests as nbd-verity does (nbd_verity/serve/threadstate.py; needs nbd_verity on
+PYTHONPATH and its _threadstate extension built), so the ceiling is measured both ways.
+Usage: nbdkit python bench/passthrough.py file=/abs/path.img [keep-thread-state=yes]
 """
 
 import os
@@ -12,6 +15,7 @@ import nbdkit
 API_VERSION = 2
 _path = None
 _fd = -1
+_keep = None  # _threadstate.keep, with keep-thread-state=yes
 
 
 def thread_model():
@@ -19,7 +23,11 @@ def thread_model():
 
 
 def config(key, value):
-    global _path
+    global _path, _keep
+    if key == "keep-thread-state":
+        if value == "yes":
+            from nbd_verity.serve._threadstate import keep as _keep
+        return
     if key != "file":
         raise RuntimeError(f"unknown parameter: {key}")
     _path = os.path.abspath(value)
@@ -47,6 +55,8 @@ def can_multi_conn(h):
 
 
 def pread(h, buf, offset, flags):
+    if _keep is not None:
+        _keep()
     view = memoryview(buf)
     done = 0
     while done < len(view):

@@ -9,6 +9,7 @@ import tempfile
 import click
 
 from ..control.protocol import request
+from ..serve.calibrate import describe
 from ..serve.ioprio import CLASSES
 from .common import EXIT_CORRUPT, edge, fail
 
@@ -47,7 +48,8 @@ def parse_assignments(items: tuple[str, ...]) -> dict[str, int]:
 
 @ctl.command("thresholds")
 @click.argument("assignments", nargs=-1, metavar="[CLASS=BYTES]...")
-@click.option("--preset", default=None, help="Load a preset table (default, kernel).")
+@click.option("--preset", default=None,
+              help="Load a preset table (default: as calibrated; fixed, seed, kernel).")
 @click.option("--json", "as_json", is_flag=True, help="Print the raw reply.")
 @click.pass_obj
 @edge
@@ -66,6 +68,8 @@ def thresholds_cmd(control: str, assignments, preset, as_json) -> None:
         return
     for name in CLASSES:
         click.echo(f"{name:<5} {reply['thresholds'][name]}")
+    if reply.get("calibration"):
+        click.echo(describe(reply["calibration"]))
 
 
 @ctl.command("stats")
@@ -133,8 +137,11 @@ def format_stats(stats: dict) -> str:
     totals = stats["totals"]
     lines.append("")
     lines.append(f"status {stats['status']}  corruptions {stats['corruptions']}  "
-                 f"uptime {stats['uptime_s']:.0f} s  workers {stats['workers']}")
+                 f"uptime {stats['uptime_s']:.0f} s  workers {stats['workers']}  "
+                 f"kept thread states {stats.get('kept_thread_states', 0)}")
     lines.append("  ".join(f"{k} {v}" for k, v in totals.items()))
+    if stats.get("calibration"):
+        lines.append("thresholds " + describe(stats["calibration"]))
     if "trust" in stats:
         lines.append(trust_line(stats["trust"]))
     return "\n".join(lines)

@@ -119,7 +119,10 @@ def _state_families(stats: dict) -> list[str]:
                      "verified inline; larger ones go to the pool.",
                      (("", {"class": c}, v) for c, v in stats.get("thresholds", {}).items()))
     for name, key, help_text in (("workers", "workers", "Verification pool threads."),
-                                 ("chunk_size_bytes", "chunk_size", "Bytes per pool chunk.")):
+                                 ("chunk_size_bytes", "chunk_size", "Bytes per pool chunk."),
+                                 ("kept_thread_states", "kept_thread_states",
+                                  "nbdkit threads whose Python thread state is kept "
+                                  "between requests (serve/threadstate.py).")):
         if key in stats:
             lines += _family(name, "gauge", help_text, [("", {}, stats[key])])
     trust = stats.get("trust", {})

@@ -184,7 +184,7 @@ class Control:
         return getattr(self, f"_{command}")(request)
 
     def _thresholds(self, request: dict) -> dict:
-        from .table import preset, table_dict, updated_table  # server side only
+        from .table import table_dict, updated_table  # server side only
         dispatcher = self.device.dispatcher
         changes = _field(request, "set", dict)
         name = _field(request, "preset", str)
@@ -193,13 +193,13 @@ class Control:
         try:
             with self._lock:  # writers serialise, so two partial updates both land
                 if name is not None:
-                    dispatcher.set_table(preset(name))
+                    dispatcher.set_table(self.device.preset_table(name))
                 elif changes is not None:
                     dispatcher.set_table(updated_table(dispatcher.table, changes))
                 table = dispatcher.table
         except ConfigError as e:
             raise ProtocolError(str(e)) from None
-        return {"thresholds": table_dict(table)}
+        return {"thresholds": table_dict(table), "calibration": self.device.calibration_dict()}
 
     def _stats(self, request: dict) -> dict:
         reply = {"stats": self.device.stats()}

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..control.protocol import Control, ControlServer
-from ..control.table import class_index, preset, table_dict, updated_table
+from ..control.table import CALIBRATED, CLASSES, class_index, preset, table_dict, updated_table
 from ..errors import ConfigError, CorruptionError, ImageIOError
 from ..format.blocks import block_span
 from ..format.params import load_params
@@ -22,8 +22,9 @@ from ..format.roothash import root_digest
 from ..log import log
 from ..sources.remote import is_uri, open_source
 from ..trust.root import TrustedRoot, resolve_root
-from . import fastpath
+from . import fastpath, threadstate
 from .cache import HashBlockCache
+from .calibrate import Calibration, calibrate
 from .config import ServerConfig, parse_size
 from .dispatch import Dispatcher
 from .ioprio import connection_class
@@ -71,8 +72,10 @@ class Device:
         except CorruptionError as e:
             raise ConfigError(f"root-hash: does not match the top of the tree ({e}): wrong "
                               f"root hash, or a corrupted hash image") from None
-        table = updated_table(preset(config.threshold_preset), {
-            name: _threshold_value(name, value) for name, value in config.thresholds.items()})
+        self._explicit = {name: _threshold_value(name, value)  # --threshold: always wins
+                          for name, value in config.thresholds.items()}
+        table = updated_table(preset(config.threshold_preset), self._explicit)
+        self.calibration: Calibration | None = None  # start_threads measures `default`
         self.default_class = class_index(config.default_class, "default-class")
         self.dispatcher = Dispatcher(self.verifier.read, self.geo.data_block_size, table,
                                      config.workers)
@@ -86,10 +89,24 @@ class Device:
         self.started = time.monotonic()
 
     def start_threads(self) -> None:
-        """Start the pool and the control thread (in nbdkit's after_fork)."""
+        """Start the pool and the control thread (in nbdkit's after_fork); measure the
+        `default` table first (calibrate.py), unless every class is set explicitly."""
         self.dispatcher.start()
+        if (self.config.threshold_preset == CALIBRATED
+                and len(self._explicit) < len(CLASSES)):
+            self.calibration = calibrate(self.verifier.digester, self.geo.data_block_size,
+                                         self.dispatcher.workers)
+            self.dispatcher.set_table(self.preset_table(CALIBRATED))
         if self.control is not None:
             self.control.start()
+
+    def preset_table(self, name: str) -> tuple[int, ...]:
+        """A preset's table here: `default` is what start-up measured (where it did),
+        with the explicit thresholds over it."""
+        if name == CALIBRATED and self.calibration is not None:
+            return updated_table((self.calibration.threshold,) * len(CLASSES),
+                                 self._explicit)
+        return preset(name)
 
     def _check_sizes(self) -> None:
         """Refuse images smaller than the geometry at start-up (later truncation → EIO)."""
@@ -114,7 +131,11 @@ class Device:
         return {"classes": self.dispatcher.stats.snapshot(), "totals": totals,
                 **self.status(), "thresholds": table_dict(self.dispatcher.table),
                 "workers": self.dispatcher.workers,
-                "chunk_size": self.dispatcher.chunk_size, "fast_path": self.fast_path}
+                "chunk_size": self.dispatcher.chunk_size, "fast_path": self.fast_path,
+                "kept_thread_states": threadstate.kept(), "calibration": self.calibration_dict()}
+
+    def calibration_dict(self) -> dict | None:
+        return None if self.calibration is None else self.calibration.as_dict()
 
     def source_counters(self) -> dict:
         """source_errors and reconnects, summed over the NBD sources (0 for files)."""

@@ -6,9 +6,9 @@ reads. A larger one is split on data-block boundaries into chunks verified in pa
 a bounded thread pool (the native engine hashes a chunk with the GIL released, so chunks
 really hash on several cores)
 and completes when every chunk has. A threshold of 0 sends every request of its class to
-the pool. The default is 1 MiB for every class (measured: docs/control.md); the preset
-`seed` is the seed patch's 4096 for every class, and the preset `kernel` is what
-Linux 6.15 merged (8192, 8192, 8192, 0).
+the pool. The default table is measured when the server starts (calibrate.py); the
+preset `fixed` is 1 MiB for every class, `seed` the seed patch's 4096 for every class,
+and `kernel` what Linux 6.15 merged (8192, 8192, 8192, 0).
 
 The table (control/table.py: presets, checks, changes) is an immutable tuple replaced
 whole: readers take no lock, read it once per request, and a change applies from the next

@@ -27,7 +27,7 @@ from nbd_verity import logbound
 from nbd_verity.errors import ConfigError, CorruptionError, ImageIOError, VerityError
 from nbd_verity.limits import MAX_REQUEST_SIZE
 from nbd_verity.log import log
-from nbd_verity.serve import device, nbdkit_compat
+from nbd_verity.serve import device, nbdkit_compat, threadstate
 from nbd_verity.serve.config import (
     PARALLEL,
     RESTART_ON_CORRUPTION,
@@ -38,7 +38,7 @@ from nbd_verity.serve.config import (
 
 API_VERSION = 2
 __all__ = ["API_VERSION", "after_fork", "block_size", "cache", "can_cache", "can_multi_conn",
-           "can_write", "cleanup", "config", "config_complete", "get_ready", "get_size",
+           "can_write", "cleanup", "close", "config", "config_complete", "get_ready", "get_size",
            "is_rotational", "open", "pread", "thread_model"]
 
 RESTART_GRACE_S = 0.5  # time for the failing request's reply before the process exits
@@ -49,6 +49,7 @@ _restart_requested = threading.Event()
 _format_exception = traceback.format_exception
 _failed_reads = [0]  # requests answered with an error, for the log summary
 _failed_lock = threading.Lock()
+_keep = threadstate.keep
 
 
 def _one_line(exc, value=None, tb=None, **kwargs):
@@ -163,6 +164,10 @@ def open(readonly):
     _failures.fail(errno.EINVAL, problem)  # outside the except block: nothing kept
 
 
+def close(h):
+    threadstate.release()  # this thread's kept state, when requests ran on it (threadstate.py)
+
+
 def get_size(h):
     return _device.size
 
@@ -188,6 +193,7 @@ def is_rotational(h):
 
 
 def pread(h, buf, offset, flags):
+    _keep()  # from the second request of a thread on: no new Python thread state
     if h.fast(buf, offset):  # the common request, in one frame more (serve/fastpath.py)
         return
     problem = _read(h, buf, offset)

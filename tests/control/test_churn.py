@@ -85,7 +85,7 @@ def fio_run(tmp_path):
 def test_table_churn_under_fio(servers, image, tmp_path, fio_run):
     if not os.access(FIO, os.X_OK):
         pytest.fail(f"{FIO} is missing: run `make setup`")
-    server = servers.start(image, "--workers", "2")
+    server = servers.start(image, "--workers", "2", "--threshold-preset", "fixed")
     output = tmp_path / "fio.json"
     before = server.thresholds()
     server.reset_stats()

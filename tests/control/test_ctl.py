@@ -21,9 +21,13 @@ def server(module_servers, image):
 
 
 def table_lines(stdout: str) -> dict:
-    """`ctl thresholds` prints one "CLASS VALUE" line per class, in class order."""
-    rows = [line.split() for line in stdout.strip().splitlines()]
+    """`ctl thresholds` prints one "CLASS VALUE" line per class, in class order, then how
+    start-up calibrated the default table."""
+    lines = stdout.strip().splitlines()
+    rows = [line.split() for line in lines[:len(CLASSES)]]
     assert [r[0] for r in rows] == list(CLASSES), stdout
+    rest = lines[len(CLASSES):]
+    assert len(rest) == 1 and rest[0].startswith("calibrated at start-up in "), stdout
     return {name: int(value) for name, value in rows}
 
 
@@ -53,9 +57,10 @@ def test_thresholds_show_set_and_preset(server):
 
     kernel = ctl(server.control, "thresholds", "--preset", "kernel", "--json")
     assert kernel.returncode == 0, kernel.stderr
-    assert json.loads(kernel.stdout) == {
-        "ok": True, "thresholds": {"none": 8192, "rt": 8192, "be": 8192, "idle": 0}}
-    assert server.thresholds() == json.loads(kernel.stdout)["thresholds"]
+    reply = json.loads(kernel.stdout)
+    assert reply["ok"] is True and sorted(reply) == ["calibration", "ok", "thresholds"]
+    assert reply["thresholds"] == {"none": 8192, "rt": 8192, "be": 8192, "idle": 0}
+    assert server.thresholds() == reply["thresholds"]
 
 
 def test_stats_table_json_and_reset(server, image):

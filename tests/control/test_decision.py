@@ -48,7 +48,7 @@ def test_decide(table, io_class, size, path):
 
 
 def test_presets_are_the_documented_tables():
-    assert tables.preset("default") == (1 << 20,) * 4
+    assert tables.preset("default") == tables.preset("fixed") == (1 << 20,) * 4
     assert tables.preset("seed") == (4096, 4096, 4096, 4096)
     assert tables.preset("kernel") == (8192, 8192, 8192, 0)
 

@@ -1,0 +1,110 @@
+"""The default threshold table, measured at start-up: where inline stops paying here.
+
+A request up to its class's threshold is verified inline, on the nbdkit thread; a larger
+one is split across the pool (dispatch.py). The pool wins once the hashing it spreads
+over the cores saves more than its hand-off costs, and both depend on the machine: the
+cores, the hash engine (SHA-NI or not), the load. So the `default` preset is not a
+constant: when the server starts (nbdkit's after_fork, once the pool may have threads)
+it times the same Dispatcher both ways, on an in-memory run of zero blocks checked by
+the server's own digester, at 64 KiB, 128 KiB, ... 8 MiB, each size alternately inline
+and pooled, REPEATS times, keeping the fastest of each (the least disturbed by other
+work). The first size at which the pool takes at most POOL_WINS of inline's time is the
+crossover; every class's threshold is the size below it. No crossover up to 8 MiB (one
+core, or a pool of one) keeps every request inline (the maximum, 32 MiB).
+
+It is bounded: it stops at the crossover, and gives up after BUDGET_S, keeping the fixed
+table (table.FIXED) and saying so. What it measured is in `ctl stats` and `ctl
+thresholds` (calibration), so a user can see why the table is what it is; explicit
+thresholds (--threshold) always win over it, and the presets `fixed`, `seed` and
+`kernel` are not calibrated. Reading the image is left out: it costs the same on both
+paths per byte, and a start-up read could wait on a disk or a network.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from ..control.table import CLASSES, FIXED
+from ..limits import MAX_REQUEST_SIZE
+from .dispatch import Dispatcher
+
+SIZES = tuple((64 << 10) << i for i in range(8))  # 64 KiB .. 8 MiB
+REPEATS = 3
+POOL_WINS = 0.9  # the pool must take at most this share of inline's time
+BUDGET_S = 0.3
+
+
+@dataclass(frozen=True)
+class Calibration:
+    threshold: int  # every class's threshold: the largest request verified inline
+    seconds: float  # how long the measuring took
+    figures: tuple[tuple[int, float, float], ...]  # (size, inline µs, pool µs), fastest
+    outcome: str  # "crossover", "inline wins" (no crossover), "one worker", "over budget"
+
+    def as_dict(self) -> dict:
+        return {"threshold": self.threshold, "ms": round(self.seconds * 1e3, 1),
+                "outcome": self.outcome,
+                "figures": [{"size": s, "inline_us": round(i, 1), "pool_us": round(p, 1)}
+                            for s, i, p in self.figures]}
+
+
+def describe(calibration: dict) -> str:
+    """One line for people (Calibration.as_dict's form, as `ctl` receives it)."""
+    head = f"calibrated at start-up in {calibration['ms']:.0f} ms: "
+    outcome, figures = calibration["outcome"], calibration["figures"]
+    if outcome == "one worker":
+        return head + "one pool worker, so every request is verified inline"
+    if outcome == "over budget":
+        return head + f"over its {BUDGET_S:g} s budget, so the fixed table is kept"
+    last = figures[-1]
+    at = (f"{last['size'] >> 10} KiB (inline {last['inline_us']:.0f} µs, pool "
+          f"{last['pool_us']:.0f} µs)")
+    if outcome == "inline wins":
+        return head + f"the pool did not win up to {at}: every request inline"
+    return (head + f"the pool wins from {at}: inline up to "
+            f"{calibration['threshold'] >> 10} KiB")
+
+
+def calibrate(digester, block_size: int, workers: int,
+              budget: float = BUDGET_S) -> Calibration:
+    """Time inline against pool as the server would run them; see the module docstring."""
+    started = time.perf_counter()
+    if workers < 2:
+        return Calibration(MAX_REQUEST_SIZE, 0.0, (), "one worker")
+    largest = SIZES[-1]
+    buf = memoryview(bytearray(largest))
+    slot = digester.digest(bytes(block_size)).ljust(digester.slot_size, b"\0")
+    slots = slot * (largest // block_size)
+    verify = digester.verify
+
+    def read(view, offset: int) -> None:
+        if verify(view, block_size, slots[offset // block_size * len(slot):]) != -1:
+            raise RuntimeError("calibration: a zero block did not match its own digest")
+
+    inline, pooled = (MAX_REQUEST_SIZE,) * len(CLASSES), (0,) * len(CLASSES)
+    dispatcher = Dispatcher(read, block_size, inline, workers)
+    dispatcher.start()
+    figures: list[tuple[int, float, float]] = []
+    try:
+        dispatcher.set_table(pooled)
+        dispatcher.read(buf[:SIZES[0]], 0, 0)  # the pool's threads start here, untimed
+        for size in SIZES:
+            best = {inline: float("inf"), pooled: float("inf")}
+            for _ in range(REPEATS):
+                for table in (inline, pooled):
+                    dispatcher.set_table(table)
+                    t = time.perf_counter()
+                    dispatcher.read(buf[:size], 0, 0)
+                    best[table] = min(best[table], time.perf_counter() - t)
+                if time.perf_counter() - started > budget:
+                    return Calibration(FIXED[0], time.perf_counter() - started,
+                                       tuple(figures), "over budget")
+            figures.append((size, best[inline] * 1e6, best[pooled] * 1e6))
+            if best[pooled] <= POOL_WINS * best[inline]:
+                return Calibration(max(block_size, size // 2), time.perf_counter() - started,
+                                   tuple(figures), "crossover")
+    finally:
+        dispatcher.stop()
+    return Calibration(MAX_REQUEST_SIZE, time.perf_counter() - started, tuple(figures),
+                       "inline wins")

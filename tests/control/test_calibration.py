@@ -1,0 +1,71 @@
+"""The default threshold table is measured when the server starts (serve/calibrate.py):
+what it chose is in `ctl thresholds` and `ctl stats`, explicit thresholds win over it,
+the other presets are not calibrated, and `--preset default` brings the measured table
+back at run time. Real `nbd-verity serve`, real control socket, real NBD reads."""
+
+from __future__ import annotations
+
+from nbd_verity.limits import MAX_REQUEST_SIZE
+
+from .harness import CLASSES, ctl
+
+KIB = 1024
+FIXED = 1 << 20
+
+
+def allowed(threshold: int) -> bool:
+    """What calibration may choose: half a crossover size (32 KiB .. 4 MiB), everything
+    inline (no crossover), or the fixed table (over its budget)."""
+    return threshold in {(32 * KIB) << i for i in range(8)} | {MAX_REQUEST_SIZE, FIXED}
+
+
+def test_the_default_table_is_calibrated_and_says_how(servers, image):
+    server = servers.start(image)
+    reply = server.ask({"cmd": "thresholds"})
+    calibration = reply["calibration"]
+    values = set(reply["thresholds"].values())
+    assert len(values) == 1 and values == {calibration["threshold"]}, reply
+    assert allowed(calibration["threshold"]), calibration
+    assert calibration["outcome"] in ("crossover", "inline wins", "one worker", "over budget")
+    if calibration["outcome"] == "crossover":  # the pool won at the last size measured
+        last = calibration["figures"][-1]
+        assert last["pool_us"] <= 0.9 * last["inline_us"], calibration
+        assert calibration["threshold"] == last["size"] // 2
+    for row in calibration["figures"][:-1]:  # below the crossover the pool did not win
+        assert row["pool_us"] > 0.9 * row["inline_us"], calibration
+    assert server.stats()["calibration"] == calibration
+    shown = ctl(server.control, "thresholds")
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.splitlines()[-1].startswith(
+        f"calibrated at start-up in {calibration['ms']:.0f} ms: "), shown.stdout
+
+    # a request at the threshold goes inline, one block more to the pool
+    threshold = min(calibration["threshold"], image.size)
+    above = calibration["threshold"] + 4096 <= image.size  # a request over it fits here
+    server.reset_stats()
+    with server.client("@be") as h:
+        assert h.pread(threshold, 0) == image.expected(0, threshold)
+        if above:
+            assert h.pread(threshold + 4096, 0) == image.expected(0, threshold + 4096)
+    be = server.stats()["classes"]["be"]
+    assert (be["inline"]["requests"], be["pool"]["requests"]) == (1, int(above))
+
+
+def test_explicit_thresholds_win_and_presets_are_not_calibrated(servers, image):
+    server = servers.start(image, "--threshold", "rt=0")
+    table = server.thresholds()
+    calibrated = server.ask({"cmd": "thresholds"})["calibration"]["threshold"]
+    assert table == {"none": calibrated, "rt": 0, "be": calibrated, "idle": calibrated}
+
+    server.ask({"cmd": "thresholds", "preset": "kernel"})
+    back = server.ask({"cmd": "thresholds", "preset": "default"})["thresholds"]
+    assert back == table  # the measured table (with rt=0 over it), not the fixed one
+    assert server.ask({"cmd": "thresholds", "preset": "fixed"})["thresholds"] == \
+        dict.fromkeys(CLASSES, FIXED)
+
+    kernel = servers.start(image, "--threshold-preset", "kernel")
+    reply = kernel.ask({"cmd": "thresholds"})
+    assert reply["calibration"] is None
+    assert reply["thresholds"] == {"none": 8192, "rt": 8192, "be": 8192, "idle": 0}
+    every = servers.start(image, *[f"--threshold={c}=65536" for c in CLASSES])
+    assert every.ask({"cmd": "thresholds"})["calibration"] is None  # nothing left to measure
