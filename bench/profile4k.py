@@ -3,17 +3,18 @@
 Each server (the Python pass-through with thread states kept, the bare verifying plugin,
 nbd-verity's default) serves fio's 4 KiB random reads from 8 jobs while `perf record -e
 cpu-clock -g` samples the server process (nbdkit) alone. The samples are split into the
-system calls they ran under (perf's "children" figures for each __x64_sys_* symbol:
-receiving requests, sending replies, preadv, futex = waiting for and handing over the
-GIL and nbdkit's locks, ...), and the rest by where they ran (Python's interpreter,
-nbdkit, libc, our native module = hashing, other kernel = interrupts, scheduling not
-under a call). Each part is turned into CPU microseconds per request: samples / rate /
-requests served while sampling (fio's IOPS x the sampled seconds). Rows of the verifying
-servers minus the pass-through's are what verifying costs, part by part. The client
-(fio) runs on the same two cores and is not sampled; its CPU time is the same for every
-server per request, so a difference in MB/s beyond the server's added CPU per request is
-time the cores spent waiting (for the GIL), not computing.
-Usage: python bench/profile4k.py [SECONDS]   (needs perf: Debian's linux-perf)
+system calls they ran under (perf's "children" figures for the kernel's entry of each:
+receiving requests, sending replies, preadv, futex = waiting for and handing over the GIL
+and nbdkit's locks, mmap/munmap, page faults), and the rest by where they ran (Python's
+interpreter, nbdkit, libc, our native module = hashing, other kernel = interrupts,
+scheduling not under a call). Each part is turned into CPU microseconds per request:
+samples / rate / requests served while sampling (fio's IOPS over the whole run x the
+sampled seconds). Rows of the verifying servers minus the pass-through's are what
+verifying costs, part by part. The client (fio) runs on the same two cores and is not
+sampled; its CPU time is the same for every server per request, so a difference in MB/s
+beyond the server's added CPU per request is time the cores spent waiting (for the GIL),
+not computing.
+Usage: python bench/profile4k.py [ROUNDS [SECONDS]]   (needs perf: Debian's linux-perf)
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -35,16 +37,18 @@ import fiorun  # noqa: E402
 import images  # noqa: E402
 import servers  # noqa: E402
 from fiorun import Job  # noqa: E402
+from side import spread  # noqa: E402
 
 PERF = shutil.which("perf") or "/usr/bin/perf"
-RATE = 4000  # samples per second per CPU
-SYSCALLS = {  # perf symbol -> the part it names
-    "recvfrom": "recv (next request)", "recvmsg": "recv (next request)",
-    "read": "recv (next request)", "sendto": "send (reply)", "sendmsg": "send (reply)",
-    "write": "send (reply)", "writev": "send (reply)", "preadv2": "preadv (data)",
-    "preadv": "preadv (data)", "pread64": "preadv (data)",
-    "futex": "futex (GIL, locks)", "poll": "poll", "ppoll": "poll",
-    "mmap": "mmap/munmap", "munmap": "mmap/munmap", "madvise": "mmap/munmap",
+RATE = 1000  # samples per second per CPU (more slows the server down visibly)
+KERNEL = {  # kernel symbols on the stack (perf's children) -> the part they name
+    "__x64_sys_sendto": "send (reply)", "__x64_sys_sendmsg": "send (reply)",
+    "ksys_write": "send (reply)", "ksys_read": "recv (next request)",
+    "__x64_sys_recvfrom": "recv (next request)", "__x64_sys_recvmsg": "recv (next request)",
+    "do_preadv": "preadv (data)", "__x64_sys_pread64": "preadv (data)",
+    "__x64_sys_futex": "futex (GIL, locks)", "do_sys_poll": "poll",
+    "__x64_sys_mmap": "mmap/munmap", "__x64_sys_munmap": "mmap/munmap",
+    "__x64_sys_madvise": "mmap/munmap", "asm_exc_page_fault": "page faults",
 }
 DSOS = {"_native": "hashing (our native module)", "libpython": "Python interpreter",
         "nbdkit": "nbdkit", "libc": "libc", "libcrypto": "hashing (our native module)"}
@@ -56,50 +60,44 @@ def record(pid: int, seconds: float, out: str) -> subprocess.Popen:
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def report(path: str, children: bool) -> list[tuple[float, str, str]]:
-    """(samples, dso, symbol) rows of perf report."""
+ROW = re.compile(r"^\s+([\d.]+)%\s+(?:([\d.]+)%\s+)?(\S+)\s+(\[.\] .+?)\s*$")
+
+
+def report(path: str, children: bool) -> tuple[float, list[tuple[float, str, str]]]:
+    """(CPU seconds sampled, [(share of them, dso, symbol)]) from perf report: with
+    children, the share is the time under the symbol (its callees included)."""
     mode = "--children" if children else "--no-children"
     out = subprocess.run([PERF, "report", "-i", path, mode, "--stdio", "-g", "none",
-                          "--sort", "dso,sym", "-F", "period,dso,sym" if not children else
-                          "children,period,dso,sym", "-t", "\t"],
-                         capture_output=True, text=True, check=True).stdout
-    rows = []
+                          "--sort", "dso,sym"], capture_output=True, text=True,
+                         check=True).stdout
+    seconds, rows = 0.0, []
     for line in out.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        fields = [f.strip() for f in line.split("\t")]
-        if children:
-            total, _period, dso, sym = fields[:4]
-            rows.append((float(total.rstrip("%")), dso, sym))
-        else:
-            period, dso, sym = fields[:3]
-            rows.append((float(period), dso, sym))
-    return rows
+        if line.startswith("# Event count (approx.):"):
+            seconds = int(line.split(":")[1]) / 1e9  # cpu-clock counts nanoseconds
+        m = ROW.match(line)
+        if m:
+            rows.append((float(m.group(1)) / 100, m.group(3), m.group(4)))
+    return seconds, rows
 
 
-def parts(path: str) -> dict[str, float]:
-    """Share of all samples per part (sums to 1)."""
-    self_rows = report(path, children=False)
-    total = sum(p for p, _, _ in self_rows) or 1.0
+def parts(path: str) -> tuple[float, dict[str, float]]:
+    """(CPU seconds, {part: share}), the shares summing to 1."""
+    seconds, self_rows = report(path, children=False)
     out: dict[str, float] = defaultdict(float)
     under = 0.0
-    for share, _dso, sym in report(path, children=True):
-        m = re.match(r"\[k\] __(?:x64|se)_sys_(\w+)$", sym)
-        if m and m.group(1) in SYSCALLS:
-            out[SYSCALLS[m.group(1)]] += share / 100
-            under += share / 100
-    user: dict[str, float] = defaultdict(float)
+    for share, _dso, sym in report(path, children=True)[1]:
+        part = KERNEL.get(sym[4:]) if sym.startswith("[k] ") else None
+        if part is not None:
+            out[part] += share
+            under += share
     other_kernel = 0.0
-    for period, dso, sym in self_rows:
+    for share, dso, sym in self_rows:
         if sym.startswith("[k]"):
-            other_kernel += period / total
-            continue
-        name = next((v for k, v in DSOS.items() if k in dso), "other user space")
-        user[name] += period / total
+            other_kernel += share
+        else:
+            out[next((v for k, v in DSOS.items() if k in dso), "other user space")] += share
     out["other kernel (interrupts, scheduling)"] = max(0.0, other_kernel - under)
-    for name, share in user.items():
-        out[name] += share
-    return dict(out)
+    return seconds, dict(out)
 
 
 def profile(server: servers.Server, image, seconds: float) -> tuple[float, float, dict]:
@@ -114,17 +112,17 @@ def profile(server: servers.Server, image, seconds: float) -> tuple[float, float
         perf.wait(timeout=seconds + 60)
         stdout, _ = fio.communicate(timeout=seconds + 120)
         result = fiorun.parse(stdout)
-        samples = sum(p for p, _, _ in report(out, children=False))
-        requests = result.iops * seconds
-        cpu_us = samples / RATE / requests * 1e6
-        return result.mb_s, cpu_us, {k: v * cpu_us for k, v in parts(out).items()}
+        cpu_s, shares = parts(out)
+        cpu_us = cpu_s / (result.iops * seconds) * 1e6
+        return result.mb_s, cpu_us, {k: v * cpu_us for k, v in shares.items()}
     finally:
         if os.path.exists(out):
             os.unlink(out)
 
 
 def main(argv: list[str]) -> int:
-    seconds = float(argv[0]) if argv else 5.0
+    rounds = int(argv[0]) if argv else 3
+    seconds = float(argv[1]) if len(argv) > 1 else 5.0
     image = images.random_image(1 << 30)
     images.warm(image.data)
     images.warm(image.hash)
@@ -133,26 +131,38 @@ def main(argv: list[str]) -> int:
                                  "serialize-requests"),
              servers.verity_server("nbd-verity, default", image, [])]
     group[0].name = "Python pass-through, thread state kept"
-    rows = {}
-    for server in group:
-        server.start()
-        try:
+    runs: dict[str, list] = {server.name: [] for server in group}
+    try:
+        for server in group:
+            server.start()
             if server.kind == "verity":
                 subprocess.run(["nbdcopy", server.uri(), "null:"], check=True)  # fill caches
-            rows[server.name] = profile(server, image, seconds)
-        finally:
+        for _ in range(rounds):
+            for server in group:
+                runs[server.name].append(profile(server, image, seconds))
+    finally:
+        for server in group:
             server.stop()
-    print(table(rows, seconds))
+    print(table(runs, seconds))
     return 0
 
 
-def table(rows: dict, seconds: float) -> str:
+def table(runs: dict, seconds: float) -> str:
+    """Medians over the rounds; MB/s and CPU per request with their min-max."""
+    rows = {}
+    for name, results in runs.items():
+        every = {p for _, _, ps in results for p in ps}
+        rows[name] = (statistics.median(r[0] for r in results),
+                      statistics.median(r[1] for r in results),
+                      {p: statistics.median(r[2].get(p, 0.0) for r in results) for p in every})
     names = list(rows)
     every = sorted({p for _, _, ps in rows.values() for p in ps},
                    key=lambda p: -max(rows[n][2].get(p, 0) for n in names))
     base = names[0]
+    rounds = len(next(iter(runs.values())))
     lines = [f"4 KiB random, 8 jobs x QD1, {seconds:g} s sampled per server at {RATE}/s "
-             f"(perf cpu-clock, server process only); CPU µs per request", "",
+             f"(perf cpu-clock, server process only), {rounds} rounds; CPU µs per request, "
+             "medians", "",
              "| part | " + " | ".join(names) + " | " +
              " | ".join(f"{n} - pass-through" for n in names[1:]) + " |",
              "|---|" + "---|" * (2 * len(names) - 1)]
@@ -170,6 +180,9 @@ def table(rows: dict, seconds: float) -> str:
     lines.append("| wall µs per request (both cores) | " + " | ".join(
         f"{2 * w:.2f}" for w in wall) + " | " + " | ".join(
         f"{2 * (w - wall[0]):+.2f}" for w in wall[1:]) + " |")
+    for name, results in runs.items():
+        lines.append(f"- {name}: MB/s {spread([r[0] for r in results])}, server CPU µs per "
+                     f"request {spread([r[1] for r in results])} (min/median/max)")
     lines.append(f"\n(base: {base})")
     return "\n".join(lines)
 
