@@ -37,9 +37,12 @@ lint: setup
 
 bench: setup
 	$(PY) -m pip install -q -e '.[bench]'
+	@dpkg-query -W -f='$${Status}' linux-perf 2>/dev/null | grep -q 'install ok installed' \
+		|| DEBIAN_FRONTEND=noninteractive apt-get install -y -qq linux-perf
 	$(PY) bench/run.py
 	$(PY) bench/side.py 3 5 native   # the read-path targets side by side (docs/benchmarks.md)
 	$(PY) bench/threads.py 3 5   # the fast path under each thread model: the three ratios
+	$(PY) bench/profile4k.py 3 5   # a 4 KiB request's CPU, part by part (perf)
 
 e2e: setup
 	$(PY) -m pytest tests/e2e tests/test_systemd.py

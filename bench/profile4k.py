@@ -1,19 +1,21 @@
-"""Where a 4 KiB random read's microseconds go: CPU per request, server side, by part.
+"""Where a 4 KiB random read's microseconds go: CPU per request, server and client, by part.
 
-Each server (the Python pass-through with thread states kept, the bare verifying plugin,
-nbd-verity's default) serves fio's 4 KiB random reads from 8 jobs while `perf record -e
-cpu-clock -g` samples the server process (nbdkit) alone. The samples are split into the
-system calls they ran under (perf's "children" figures for the kernel's entry of each:
-receiving requests, sending replies, preadv, futex = waiting for and handing over the GIL
-and nbdkit's locks, mmap/munmap, page faults), and the rest by where they ran (Python's
-interpreter, nbdkit, libc, our native module = hashing, other kernel = interrupts,
-scheduling not under a call). Each part is turned into CPU microseconds per request:
-samples / rate / requests served while sampling (fio's IOPS over the whole run x the
-sampled seconds). Rows of the verifying servers minus the pass-through's are what
-verifying costs, part by part. The client (fio) runs on the same two cores and is not
-sampled; its CPU time is the same for every server per request, so a difference in MB/s
-beyond the server's added CPU per request is time the cores spent waiting (for the GIL),
-not computing.
+Each server (the Python pass-through keeping its thread states, the bare verifying
+plugin, nbd-verity's default) serves fio's 4 KiB random reads from 8 jobs, twice per
+round. The first run is plain: MB/s, and the CPU time per request of the server (nbdkit,
+all its threads, /proc/PID/stat) and of the client (fio and its job processes,
+getrusage of this process's children), over the requests fio served. The second is
+sampled by `perf record -e cpu-clock -g` on the server alone, which slows a workload
+this full of context switches down (by about half here), so it is used only for the
+shares: the time under each kernel entry on the stack (perf's "children": reading the
+next request, sending the reply, preadv, futex = waiting for and handing over the GIL
+and nbdkit's locks, mmap/munmap, page faults), and the rest by where it ran (Python's
+interpreter, nbdkit, libc, our native module = hashing, other kernel = interrupts and
+scheduling outside those calls). Share x the plain run's server CPU per request = that
+part's microseconds. Each verifying server's column minus the pass-through's is what
+verifying costs, part by part. With two cores busy, wall µs per request x 2 is the CPU
+time there was per request; server + client CPU per request against it says whether
+the cores were full (CPU-bound) or waiting. Medians over the rounds.
 Usage: python bench/profile4k.py [ROUNDS [SECONDS]]   (needs perf: Debian's linux-perf)
 """
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import os
 import re
+import resource
 import shutil
 import statistics
 import subprocess
@@ -100,24 +103,50 @@ def parts(path: str) -> tuple[float, dict[str, float]]:
     return seconds, dict(out)
 
 
-def profile(server: servers.Server, image, seconds: float) -> tuple[float, float, dict]:
-    """(MB/s, CPU µs per request, {part: µs per request}) for one server."""
+def process_cpu(pid: int) -> float:
+    """User + system seconds of a process, all its threads (/proc/PID/stat)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def plain_run(server: servers.Server, image, seconds: float) -> tuple[float, float, float]:
+    """(MB/s, server CPU µs per request, client CPU µs per request), no perf attached."""
+    job = Job("randread", 4096, 8, 1, seconds)
+    server_before, client_before = process_cpu(server.pid), children_cpu()
+    result = fiorun.run(server.uri(), job, image.data.stat().st_size)
+    requests = result.iops * seconds
+    return (result.mb_s, (process_cpu(server.pid) - server_before) / requests * 1e6,
+            (children_cpu() - client_before) / requests * 1e6)
+
+
+def shares_run(server: servers.Server, image, seconds: float) -> dict[str, float]:
+    """{part: share of the server's CPU} from a run sampled by perf."""
     job = Job("randread", 4096, 8, 1, seconds + 2)
     out = tempfile.mktemp(prefix="nvperf-", suffix=".data")
     fio = subprocess.Popen(fiorun.argv(server.uri(), job, image.data.stat().st_size),
-                           stdout=subprocess.PIPE, text=True)
+                           stdout=subprocess.DEVNULL)
     try:
         time.sleep(1.0)  # fio's jobs are connected and reading
         perf = record(server.pid, seconds, out)
         perf.wait(timeout=seconds + 60)
-        stdout, _ = fio.communicate(timeout=seconds + 120)
-        result = fiorun.parse(stdout)
-        cpu_s, shares = parts(out)
-        cpu_us = cpu_s / (result.iops * seconds) * 1e6
-        return result.mb_s, cpu_us, {k: v * cpu_us for k, v in shares.items()}
+        fio.wait(timeout=seconds + 120)
+        return parts(out)[1]
     finally:
         if os.path.exists(out):
             os.unlink(out)
+
+
+def profile(server: servers.Server, image, seconds: float) -> tuple[float, float, float, dict]:
+    """(MB/s, server and client CPU µs per request, {part: server µs per request})."""
+    mb_s, server_us, client_us = plain_run(server, image, seconds)
+    shares = shares_run(server, image, seconds)
+    return mb_s, server_us, client_us, {k: v * server_us for k, v in shares.items()}
 
 
 def main(argv: list[str]) -> int:
@@ -151,12 +180,13 @@ def table(runs: dict, seconds: float) -> str:
     """Medians over the rounds; MB/s and CPU per request with their min-max."""
     rows = {}
     for name, results in runs.items():
-        every = {p for _, _, ps in results for p in ps}
+        every = {p for *_, ps in results for p in ps}
         rows[name] = (statistics.median(r[0] for r in results),
                       statistics.median(r[1] for r in results),
-                      {p: statistics.median(r[2].get(p, 0.0) for r in results) for p in every})
+                      {p: statistics.median(r[3].get(p, 0.0) for r in results) for p in every},
+                      statistics.median(r[2] for r in results))
     names = list(rows)
-    every = sorted({p for _, _, ps in rows.values() for p in ps},
+    every = sorted({p for _, _, ps, _ in rows.values() for p in ps},
                    key=lambda p: -max(rows[n][2].get(p, 0) for n in names))
     base = names[0]
     rounds = len(next(iter(runs.values())))
@@ -173,6 +203,12 @@ def table(runs: dict, seconds: float) -> str:
     cpu = [rows[n][1] for n in names]
     lines.append("| **server CPU per request** | " + " | ".join(f"**{v:.2f}**" for v in cpu)
                  + " | " + " | ".join(f"**{v - cpu[0]:+.2f}**" for v in cpu[1:]) + " |")
+    client = [rows[n][3] for n in names]
+    lines.append("| client (fio) CPU per request | " + " | ".join(f"{v:.2f}" for v in client)
+                 + " | " + " | ".join(f"{v - client[0]:+.2f}" for v in client[1:]) + " |")
+    both = [c + k for c, k in zip(cpu, client, strict=True)]
+    lines.append("| server + client CPU per request | " + " | ".join(f"{v:.2f}" for v in both)
+                 + " | " + " | ".join(f"{v - both[0]:+.2f}" for v in both[1:]) + " |")
     mbs = [rows[n][0] for n in names]
     wall = [4096 / (m * 1e6) * 1e6 * 1 for m in mbs]  # µs of wall time per request served
     lines.append("| MB/s | " + " | ".join(f"{m:.1f}" for m in mbs) + " | " +
@@ -182,9 +218,14 @@ def table(runs: dict, seconds: float) -> str:
         f"{2 * (w - wall[0]):+.2f}" for w in wall[1:]) + " |")
     for name, results in runs.items():
         lines.append(f"- {name}: MB/s {spread([r[0] for r in results])}, server CPU µs per "
-                     f"request {spread([r[1] for r in results])} (min/median/max)")
+                     f"request {spread1([r[1] for r in results])}, client "
+                     f"{spread1([r[2] for r in results])} (min/median/max)")
     lines.append(f"\n(base: {base})")
     return "\n".join(lines)
+
+
+def spread1(xs: list[float]) -> str:
+    return f"{min(xs):.1f}/{statistics.median(xs):.1f}/{max(xs):.1f}"
 
 
 if __name__ == "__main__":
