@@ -362,14 +362,14 @@ def render(cfg: Settings, out: dict, image: images.Image, load_before: str,
                   "(`--filter=noparallel serialize=all-requests`: one request in Python at a "
                   "time, so no thread waits for the GIL) against nbdkit's parallel default:",
                   "", report.knob_table("server, thread model", out["serialize"]), ""]
-    if "threads" in out:
+    if "models" in out:
         parts += ["## Thread models", "",
                   "nbd-verity (default table) under each nbdkit thread model, the three "
                   "servers alive at once, 3 interleaved rounds per workload (median, and "
                   "the range over the rounds). `serialize-requests` is the default: "
                   "nbdkit 1.32's `parallel` can be aborted by a client (server.md, "
                   "\"Limits and guarantees\").", "",
-                  thread_model_table(out["threads"]), ""]
+                  thread_model_table(out["models"]), ""]
     if "hotpath" in out:
         parts += ["## The read path without nbdkit", "",
                   "`bench/hotpath.py`: the Device nbdkit would build, called from one thread "
@@ -401,7 +401,7 @@ def main() -> int:
     if "knobs" in cfg.sections:
         run_knobs(cfg, image, out)
     if "threads" in cfg.sections:
-        out["threads"] = run_thread_models(image, max(1.0, cfg.runtime / 2))
+        out["models"] = run_thread_models(image, max(1.0, cfg.runtime / 2))
     if "hotpath" in cfg.sections:
         say("hot path without nbdkit (bench/hotpath.py)")
         out["hotpath"] = hotpath.table(hotpath.measure(str(image.data), str(image.hash),
