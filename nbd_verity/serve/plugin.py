@@ -6,7 +6,9 @@ callback is a few lines that delegate to nbd_verity.serve.device and translate e
 edge: corruption and I/O errors become EIO via nbdkit.set_error, and under
 restart-on-corruption a corruption also stops the server (see _restart). pread first
 offers the request to its connection's fast path (serve/fastpath.py: the common request,
-one frame and one native call); whatever that declines takes the general path.
+one frame and one native call); whatever that declines takes the general path. Before
+either, pread keeps the thread's Python thread state for the requests after it
+(serve/threadstate.py), and close gives it back.
 
 A failed request is raised by nbdkit_compat.FailureRaiser, outside any `except` block, so
 that nbdkit 1.32's leak of every failed callback's exception costs nothing (see there);
