@@ -108,6 +108,14 @@ def check_same_root(formatted: Image) -> str:
     return f"zerotree.py root = nbd-verity format root at {formatted.size >> 30} GiB"
 
 
+def warm_random_image(size: int) -> Image:
+    """random_image(size) with its data and hash in the page cache."""
+    image = random_image(size)
+    warm(image.data)
+    warm(image.hash)
+    return image
+
+
 def warm(path: Path) -> None:
     """Read a file once so every server starts from the same warm page cache."""
     fd = os.open(path, os.O_RDONLY)

@@ -152,9 +152,7 @@ def profile(server: servers.Server, image, seconds: float) -> tuple[float, float
 def main(argv: list[str]) -> int:
     rounds = int(argv[0]) if argv else 3
     seconds = float(argv[1]) if len(argv) > 1 else 5.0
-    image = images.random_image(1 << 30)
-    images.warm(image.data)
-    images.warm(image.hash)
+    image = images.warm_random_image(1 << 30)
     group = [servers.passthrough_server(image.data, keys=("keep-thread-state=yes",)),
              servers.bare_server("bare read_verify plugin, serialize-requests", image,
                                  "serialize-requests"),

@@ -83,9 +83,7 @@ def load() -> str:
 def main(argv: list[str]) -> int:
     rounds = int(argv[0]) if argv else 3
     seconds = float(argv[1]) if len(argv) > 1 else 5.0
-    image = images.random_image(1 << 30)
-    images.warm(image.data)
-    images.warm(image.hash)
+    image = images.warm_random_image(1 << 30)
     jobs = [Job("randread", 4 * KIB, 8, 1, seconds), Job("read", 512 * KIB, 8, 1, seconds),
             Job("read", 2 * MIB, 1, 1, seconds)]
     before = load()
