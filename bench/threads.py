@@ -64,16 +64,12 @@ def members(image) -> list[tuple[servers.Server, dict]]:
 
 
 def start(server: servers.Server, env: dict) -> None:
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        server.start()
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    """Start with env added to the server's environment (taken when it was made: setting
+    ours here would not reach it)."""
+    server.env.update(env)
+    server.start()
+    if env.get(FAST_PATH_ENV) == "0" and server.ctl({"cmd": "stats"})["stats"]["fast_path"]:
+        raise RuntimeError(f"{server.name}: {FAST_PATH_ENV}=0 did not reach the server")
 
 
 def load() -> str:
