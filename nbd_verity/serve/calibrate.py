@@ -8,8 +8,11 @@ constant: when the server starts (nbdkit's after_fork, once the pool may have th
 it times the same Dispatcher both ways, on an in-memory run of zero blocks checked by
 the server's own digester, at 64 KiB, 128 KiB, ... 8 MiB, each size alternately inline
 and pooled, REPEATS times, keeping the fastest of each (the least disturbed by other
-work). The first size at which the pool takes at most POOL_WINS of inline's time is the
-crossover; every class's threshold is the size below it. No crossover up to 8 MiB (one
+work). The crossover is the first size at which the pool takes at most POOL_WINS of
+inline's time, there and at the next size too (CONFIRM: near the crossover the two are
+close, and one lucky size moved a single-size rule between 256 KiB and 2 MiB from one
+start to the next on a quiet machine); every class's threshold is the size below it.
+No crossover up to 8 MiB (one
 core, or a pool of one) keeps every request inline (the maximum, 32 MiB).
 
 It is bounded: it stops at the crossover, and gives up after BUDGET_S, keeping the fixed
@@ -30,8 +33,9 @@ from ..limits import MAX_REQUEST_SIZE
 from .dispatch import Dispatcher
 
 SIZES = tuple((64 << 10) << i for i in range(8))  # 64 KiB .. 8 MiB
-REPEATS = 3
+REPEATS = 5
 POOL_WINS = 0.9  # the pool must take at most this share of inline's time
+CONFIRM = 2  # ... at this many sizes in a row (the first of them is the crossover)
 BUDGET_S = 0.3
 
 
@@ -57,7 +61,8 @@ def describe(calibration: dict) -> str:
         return head + "one pool worker, so every request is verified inline"
     if outcome == "over budget":
         return head + f"over its {BUDGET_S:g} s budget, so the fixed table is kept"
-    last = figures[-1]
+    last = next((f for f in figures if f["size"] == 2 * calibration["threshold"]),
+                figures[-1])  # the crossover, or the largest size measured
     at = (f"{last['size'] >> 10} KiB (inline {last['inline_us']:.0f} µs, pool "
           f"{last['pool_us']:.0f} µs)")
     if outcome == "inline wins":
@@ -89,6 +94,7 @@ def calibrate(digester, block_size: int, workers: int,
     try:
         dispatcher.set_table(pooled)
         dispatcher.read(buf[:SIZES[0]], 0, 0)  # the pool's threads start here, untimed
+        streak = 0  # sizes in a row at which the pool won
         for size in SIZES:
             best = {inline: float("inf"), pooled: float("inf")}
             for _ in range(REPEATS):
@@ -101,9 +107,11 @@ def calibrate(digester, block_size: int, workers: int,
                     return Calibration(FIXED[0], time.perf_counter() - started,
                                        tuple(figures), "over budget")
             figures.append((size, best[inline] * 1e6, best[pooled] * 1e6))
-            if best[pooled] <= POOL_WINS * best[inline]:
-                return Calibration(max(block_size, size // 2), time.perf_counter() - started,
-                                   tuple(figures), "crossover")
+            streak = streak + 1 if best[pooled] <= POOL_WINS * best[inline] else 0
+            if streak == CONFIRM or (streak and size == SIZES[-1]):
+                crossover = figures[-streak][0]
+                return Calibration(max(block_size, crossover // 2),
+                                   time.perf_counter() - started, tuple(figures), "crossover")
     finally:
         dispatcher.stop()
     return Calibration(MAX_REQUEST_SIZE, time.perf_counter() - started, tuple(figures),

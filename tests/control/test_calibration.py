@@ -27,12 +27,14 @@ def test_the_default_table_is_calibrated_and_says_how(servers, image):
     assert len(values) == 1 and values == {calibration["threshold"]}, reply
     assert allowed(calibration["threshold"]), calibration
     assert calibration["outcome"] in ("crossover", "inline wins", "one worker", "over budget")
-    if calibration["outcome"] == "crossover":  # the pool won at the last size measured
-        last = calibration["figures"][-1]
-        assert last["pool_us"] <= 0.9 * last["inline_us"], calibration
-        assert calibration["threshold"] == last["size"] // 2
-    for row in calibration["figures"][:-1]:  # below the crossover the pool did not win
-        assert row["pool_us"] > 0.9 * row["inline_us"], calibration
+    won = [row["pool_us"] <= 0.9 * row["inline_us"] for row in calibration["figures"]]
+    if calibration["outcome"] == "crossover":  # two wins in a row, or one at 8 MiB: the end
+        sizes = [row["size"] for row in calibration["figures"]]
+        first = sizes.index(2 * calibration["threshold"])
+        assert all(won[first:]) and len(won) - first in (1, 2), calibration
+        assert not any(won[i] and won[i + 1] for i in range(first - 1)), calibration
+    elif calibration["outcome"] == "inline wins":  # never two wins in a row, nor at 8 MiB
+        assert not won[-1] and not any(won[i] and won[i + 1] for i in range(len(won) - 1))
     assert server.stats()["calibration"] == calibration
     shown = ctl(server.control, "thresholds")
     assert shown.returncode == 0, shown.stderr

@@ -6,21 +6,28 @@ from __future__ import annotations
 from nbd_verity.control.table import FIXED
 from nbd_verity.format.digest import Digester
 from nbd_verity.limits import MAX_REQUEST_SIZE
-from nbd_verity.serve.calibrate import POOL_WINS, SIZES, calibrate, describe
+from nbd_verity.serve.calibrate import CONFIRM, POOL_WINS, SIZES, calibrate, describe
 
 
 def digester() -> Digester:
     return Digester("sha256", bytes(range(32)), 1)
 
 
+def wins(figures) -> list[bool]:
+    return [pool <= POOL_WINS * inline for _, inline, pool in figures]
+
+
 def test_the_choice_follows_the_figures():
     c = calibrate(digester(), 4096, 2)
     sizes = [s for s, _, _ in c.figures]
     assert sizes == list(SIZES[:len(sizes)])
-    assert all(p > POOL_WINS * i for _, i, p in c.figures[:-1])
-    if c.outcome == "crossover":
-        size, inline, pool = c.figures[-1]
-        assert pool <= POOL_WINS * inline and c.threshold == size // 2
+    won = wins(c.figures)
+    streaks = [all(won[i:i + CONFIRM]) for i in range(len(won) - CONFIRM + 1)]
+    if c.outcome == "crossover":  # the first CONFIRM wins in a row (or a win at 8 MiB)
+        first = next((i for i, ok in enumerate(streaks) if ok), len(won) - 1)
+        assert all(won[first:]) and not any(streaks[:first])
+        assert c.threshold == sizes[first] // 2
+        assert f"inline up to {c.threshold >> 10} KiB" in describe(c.as_dict())
     elif c.outcome == "inline wins":
         assert len(c.figures) == len(SIZES) and c.threshold == MAX_REQUEST_SIZE
     else:
