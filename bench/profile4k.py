@@ -128,7 +128,8 @@ def plain_run(server: servers.Server, image, seconds: float) -> tuple[float, flo
 def shares_run(server: servers.Server, image, seconds: float) -> dict[str, float]:
     """{part: share of the server's CPU} from a run sampled by perf."""
     job = Job("randread", 4096, 8, 1, seconds + 2)
-    out = tempfile.mktemp(prefix="nvperf-", suffix=".data")
+    fd, out = tempfile.mkstemp(prefix="nvperf-", suffix=".data")
+    os.close(fd)  # perf writes it
     fio = subprocess.Popen(fiorun.argv(server.uri(), job, image.data.stat().st_size),
                            stdout=subprocess.DEVNULL)
     try:
@@ -208,7 +209,7 @@ def table(runs: dict, seconds: float) -> str:
     lines.append("| server + client CPU per request | " + " | ".join(f"{v:.2f}" for v in both)
                  + " | " + " | ".join(f"{v - both[0]:+.2f}" for v in both[1:]) + " |")
     mbs = [rows[n][0] for n in names]
-    wall = [4096 / (m * 1e6) * 1e6 * 1 for m in mbs]  # µs of wall time per request served
+    wall = [4096 / m for m in mbs]  # µs of wall time per request served (MB/s = bytes/µs)
     lines.append("| MB/s | " + " | ".join(f"{m:.1f}" for m in mbs) + " | " +
                  " | ".join(f"{m / mbs[0]:.2f}x" for m in mbs[1:]) + " |")
     lines.append("| wall µs per request (both cores) | " + " | ".join(

@@ -4,11 +4,12 @@ Only the thread that owns a row writes it, so `row[i] += n` cannot lose an updat
 shared `self.count += n` can, between its read and its write, and a lock around it costs
 more than the rest of a small request's bookkeeping). A reader sums the rows. Rows are
 found by thread ident, not threading.local: nbdkit's threads are not Python's, and its
-plugin makes a new Python thread state for every callback, so a threading.local would
-start empty on every request. Rows of threads that ended stay, since their counts are
-part of the totals, and a new thread that gets the same ident takes its row over (idents
-are unique among live threads). Reset
-never writes the rows (a writer would undo it): it takes the current sums as the new zero.
+plugin makes a new Python thread state for every callback unless serve/threadstate.py
+keeps it (not where its extension is missing or NBD_VERITY_KEEP_THREAD_STATE=0), so a
+threading.local could start empty on every request. Rows of threads that ended stay,
+since their counts are part of the totals, and a new thread that gets the same ident
+takes its row over (idents are unique among live threads). Reset never writes the rows
+(a writer would undo it): it takes the current sums as the new zero.
 The lock guards the row table and the zero: taken when a thread first counts, on a read
 and on a reset, never on an update.
 """
