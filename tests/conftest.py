@@ -98,10 +98,12 @@ def tools() -> Tools:
 
 @pytest.fixture
 def loop_device(request):
-    """attach(path, writable=False) -> Path of a loop device over path (read-only unless
-    writable); each one is detached by its name when the test ends, whatever happened."""
-    def attach(path, writable: bool = False) -> Path:
-        argv = [LOSETUP, "-f", "--show", *([] if writable else ["-r"]), str(path)]
+    """attach(path, writable=False, offset=0) -> Path of a loop device over path from byte
+    offset on (read-only unless writable); each one is detached by its name when the test
+    ends, whatever happened."""
+    def attach(path, writable: bool = False, offset: int = 0) -> Path:
+        argv = [LOSETUP, "-f", "--show", *([] if writable else ["-r"]),
+                *(["-o", str(offset)] if offset else []), str(path)]
         run = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
         if run.returncode != 0:
             pytest.fail(f"losetup: {run.stderr.strip()}")

@@ -8,13 +8,13 @@ Options are spelled as veritysetup spells them.
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 
 import click
 
 from ..errors import ConfigError, VerityError
 from ..format import builder
+from ..format.areas import check_layout
 from ..format.digest import parse_salt
 from ..format.params import (
     VerityParams,
@@ -128,8 +128,8 @@ def format_cmd(data: str, hash_image: str, uuid: str | None, root_hash_file: str
     if blocks * dbs > size:
         raise ConfigError(f"data-blocks: {blocks} blocks of {dbs} bytes exceed {data} "
                           f"({size} bytes)")
-    _check_overlap(data, hash_image, params)
     fec = _fec_request(params, hash_image, fec_device, fec_roots, fec_offset)
+    check_layout(params, data, hash_image, fec and fec[2], fec_device)  # before any write
     if opts["data_blocks"] is None and size % dbs:  # warn only once the options are valid
         click.echo(f"nbd-verity: warning: {data}: the last {size % dbs} bytes are not a whole "
                    f"block and are not protected", err=True)
@@ -138,7 +138,7 @@ def format_cmd(data: str, hash_image: str, uuid: str | None, root_hash_file: str
     fec_geo = None
     if fec is not None:
         from ..fec.image import write_fec  # the codec only when asked for
-        fec_geo = write_fec(data, hash_image, fec_device, params, *fec)
+        fec_geo = write_fec(data, hash_image, fec_device, params, *fec[:2])
     print_header(hash_image, params, root, fec_geo)
     if root_hash_file:
         with open(root_hash_file, "w") as f:
@@ -156,8 +156,9 @@ def _sign_beside(data: str, root_hex: str, key: str, cert: str) -> None:
 
 
 def _fec_request(params: VerityParams, hash_image: str, fec_device: str | None,
-                 roots: int | None, offset: int | None) -> tuple[int, int] | None:
-    """(roots, offset) of --fec-device, checked before anything is written; None without."""
+                 roots: int | None, offset: int | None) -> tuple | None:
+    """(roots, offset, FecGeometry) of --fec-device, checked before anything is written;
+    None without."""
     if fec_device is None:
         if roots is not None or offset is not None:
             raise ConfigError("fec-roots: --fec-roots and --fec-offset need --fec-device")
@@ -168,7 +169,7 @@ def _fec_request(params: VerityParams, hash_image: str, fec_device: str | None,
     geo = FecGeometry.from_params(params, roots, params.geometry().hash_image_size, offset,
                                   same_file(hash_image, fec_device))
     check_output_room(fec_device, "fec", geo.parity_end)
-    return roots, offset
+    return roots, offset, geo
 
 
 def _fec_geometry(params: VerityParams, hash_image: str, fec_device: str | None,
@@ -185,15 +186,6 @@ def _fec_geometry(params: VerityParams, hash_image: str, fec_device: str | None,
 def _given(value, default):
     """An option's value, or its default when it was not given (0 and "" are values)."""
     return default if value is None else value
-
-
-def _check_overlap(data: str, hash_image: str, params: VerityParams) -> None:
-    """Refuse a tree that would be written over the data it protects."""
-    if os.path.exists(hash_image) and os.path.samefile(data, hash_image):
-        data_end = params.data_blocks * params.data_block_size
-        if params.hash_offset < data_end:
-            raise ConfigError(f"hash-offset: {params.hash_offset} overlaps the data area "
-                              f"(which ends at byte {data_end})")
 
 
 @click.command("verify")
@@ -227,6 +219,7 @@ def verify_cmd(data: str, hash_image: str | None, root_hash: str | None,
     hash_image = trusted.hash_image
     size = image_size(data, "data")
     params = load_params(hash_image, tree_options(kw), size)
+    check_layout(params, data, hash_image)  # the FEC area too, in verify_with_fec
     root = root_digest(trusted.root_hex, params.digester().digest_size)
     if size < params.data_blocks * params.data_block_size:
         raise VerityError(f"{data}: {size} bytes, the tree covers "

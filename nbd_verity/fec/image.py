@@ -19,6 +19,7 @@ import os
 from dataclasses import dataclass, field
 
 from ..errors import DataCorruption, HashCorruption
+from ..format.areas import check_layout
 from ..format.builder import VerifyReport, build_tree, verify_image
 from ..format.params import VerityParams
 from ..sources.source import ImageFile, ImageWriter, image_size
@@ -111,6 +112,7 @@ def verify_with_fec(data_path: str, hash_path: str, fec_path: str, params: Verit
     the first `limit` bad blocks as the kernel would (a salt that does not match makes
     every block bad: rebuilding them all would read the image rsn times over)."""
     geo = fec_geometry(params, hash_path, fec_path, roots, fec_offset)
+    check_layout(params, data_path, hash_path, geo, fec_path)
     report = FecVerifyReport(verify_image(data_path, hash_path, params, root, limit=limit), geo)
     if report.tree.ok:
         return report

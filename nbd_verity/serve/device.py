@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from ..control.protocol import Control, ControlServer
 from ..control.table import CALIBRATED, CLASSES, class_index, preset, table_dict, updated_table
 from ..errors import ConfigError, CorruptionError, ImageIOError
+from ..format.areas import check_layout
 from ..format.blocks import block_span
 from ..format.params import load_params
 from ..format.roothash import root_digest
@@ -65,6 +66,9 @@ class Device:
         options = VerifyOptions(config.mode, config.ignore_zero_blocks,
                                 config.check_at_most_once)
         self.fec = open_fec(config, self)
+        if self.ddi is None:  # a DDI's partitions are placed by its GPT
+            check_layout(self.params, config.data, self.hash_path,
+                         self.fec and self.fec.geo, config.fec_device)
         self.verifier = Verifier(self.params, self.data, self.hashes, root, self.cache,
                                  options, self.fec)
         try:
