@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 
 import click
 
 from ..control.protocol import request
+from ..files import write_atomically
 from ..serve.calibrate import describe
 from ..serve.ioprio import CLASSES
 from .common import EXIT_CORRUPT, edge, fail
@@ -102,22 +101,7 @@ def metrics_cmd(control: str, output: str | None) -> None:
     if output is None:
         click.echo(text, nl=False)
         return
-    write_atomically(output, text)
-
-
-def write_atomically(path: str, text: str) -> None:
-    """PATH replaced in one rename, so a collector never reads half a file."""
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, temporary = tempfile.mkstemp(prefix=".nbd-verity-", suffix=".prom.tmp",
-                                     dir=directory)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.chmod(temporary, 0o644)  # metrics, not secrets: the collector's user reads it
-        os.replace(temporary, path)
-    except BaseException:
-        os.unlink(temporary)
-        raise
+    write_atomically(output, text, 0o644)  # metrics, not secrets: the collector reads it
 
 
 def _us(value) -> str:

@@ -128,4 +128,5 @@ def _remote_sidecars(options: dict, s3) -> None:
     if found.root_hash is not None:
         options["root_hash"] = found.root_hash
     if found.signature is not None:  # checked by the plugin as a local file would be
-        options["root_hash_signature"] = write_private(found.signature)
+        options["root_hash_signature"] = write_private(found.signature,
+                                                       found.found[-1])

@@ -14,10 +14,11 @@ import sys
 import click
 
 from ..errors import ConfigError
+from ..files import check_outputs
 from ..format.roothash import root_hash_text
 from ..sources.source import image_size
 from ..trust.certs import parse_pem_certificates
-from ..trust.sidecar import parse_hex, write_file, write_sidecars
+from ..trust.sidecar import auxiliary_path, parse_hex, write_file, write_sidecars
 from ..trust.signature import HASHES
 from ..trust.signing import sign_root_hash
 from .common import edge
@@ -50,6 +51,11 @@ def sign_cmd(root_hash: str | None, key_path: str, cert_path: str,
         if not os.path.exists(image):
             raise ConfigError(f"sidecars: {image}: no such image")
         image_size(image, "sidecars")  # one that opens: a regular file or a block device
+    sidecars = ((("sidecars", auxiliary_path(image, ".roothash")),
+                 ("sidecars", auxiliary_path(image, ".roothash.p7s"))) if image else ())
+    check_outputs((("output", output), *sidecars),
+                  (("signing key", key_path), ("certificate", cert_path),
+                   ("root hash file", root_hash_file), ("image", image)))
     root_hex = parse_hex(root_hash_text(root_hash, root_hash_file), "root-hash", "root hash")
     der = sign_root_hash(root_hex, key_path, cert_path, digest=digest)
     report = sys.stderr if output == "-" else sys.stdout

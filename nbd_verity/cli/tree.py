@@ -8,11 +8,13 @@ Options are spelled as veritysetup spells them.
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 
 import click
 
 from ..errors import ConfigError, VerityError
+from ..files import check_outputs, write_atomically
 from ..format import builder
 from ..format.areas import check_layout
 from ..format.digest import parse_salt
@@ -28,6 +30,7 @@ from ..format.roothash import root_digest, root_hash_text
 from ..limits import block_size_problem
 from ..sources.source import check_output_room, image_size
 from ..trust.root import resolve_root
+from ..trust.sidecar import auxiliary_path
 from .common import (
     EXIT_CORRUPT,
     TREE_OPTIONS,
@@ -130,29 +133,54 @@ def format_cmd(data: str, hash_image: str, uuid: str | None, root_hash_file: str
                           f"({size} bytes)")
     fec = _fec_request(params, hash_image, fec_device, fec_roots, fec_offset)
     check_layout(params, data, hash_image, fec and fec[2], fec_device)  # before any write
+    _check_format_outputs(data, hash_image, fec_device, root_hash_file, sign_key, sign_cert)
     if opts["data_blocks"] is None and size % dbs:  # warn only once the options are valid
         click.echo(f"nbd-verity: warning: {data}: the last {size % dbs} bytes are not a whole "
                    f"block and are not protected", err=True)
-    with progress_bar(params.data_blocks * dbs, "Hashing") as update:
-        root = builder.build_tree(data, hash_image, params, update)
-    fec_geo = None
-    if fec is not None:
-        from ..fec.image import write_fec  # the codec only when asked for
-        fec_geo = write_fec(data, hash_image, fec_device, params, *fec[:2])
+    created = [p for p in dict.fromkeys((hash_image, fec_device)) if p and not os.path.lexists(p)]
+    try:
+        with progress_bar(params.data_blocks * dbs, "Hashing") as update:
+            root = builder.build_tree(data, hash_image, params, update)
+        fec_geo = None
+        if fec is not None:
+            from ..fec.image import write_fec  # the codec only when asked for
+            fec_geo = write_fec(data, hash_image, fec_device, params, *fec[:2])
+        if root_hash_file:
+            write_atomically(root_hash_file, root.hex())
+        if sign_key is not None:
+            _sign_beside(data, root.hex(), sign_key, sign_cert)
+    except BaseException:
+        for path in created:  # a failed format leaves no output it created
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        raise
     print_header(hash_image, params, root, fec_geo)
-    if root_hash_file:
-        with open(root_hash_file, "w") as f:
-            f.write(root.hex())
     if sign_key is not None:
-        _sign_beside(data, root.hex(), sign_key, sign_cert)
+        click.echo(f"Signed root hash written to {auxiliary_path(data, '.roothash')} and "
+                   f"{auxiliary_path(data, '.roothash.p7s')}")
+
+
+def _check_format_outputs(data: str, hash_image: str, fec_device: str | None,
+                          root_hash_file: str | None, sign_key: str | None,
+                          sign_cert: str | None) -> None:
+    """No output of format may be one of its inputs (files.check_outputs); the hash image
+    and the FEC device may share the data image's device, as areas (format/areas.py)."""
+    sidecars = ((("sign-key", auxiliary_path(data, ".roothash")),
+                 ("sign-key", auxiliary_path(data, ".roothash.p7s")))
+                if sign_key is not None else ())
+    keys = (("signing key", sign_key), ("certificate", sign_cert))
+    check_outputs((("root-hash-file", root_hash_file), *sidecars),
+                  (("data image", data), ("hash image", hash_image),
+                   ("FEC device", fec_device), *keys))
+    check_outputs((("hash", hash_image), ("fec-device", fec_device)),
+                  (*keys, ("root hash file", root_hash_file)), regular=False)
 
 
 def _sign_beside(data: str, root_hex: str, key: str, cert: str) -> None:
     """format --sign-key/--sign-cert: the signature and root hash as sidecars of DATA."""
     from ..trust.sidecar import write_sidecars  # cryptography only when signing
     from ..trust.signing import sign_root_hash
-    roothash, p7s = write_sidecars(data, root_hex, sign_root_hash(root_hex, key, cert))
-    click.echo(f"Signed root hash written to {roothash} and {p7s}")
+    write_sidecars(data, root_hex, sign_root_hash(root_hex, key, cert))
 
 
 def _fec_request(params: VerityParams, hash_image: str, fec_device: str | None,

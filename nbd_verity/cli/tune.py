@@ -10,6 +10,7 @@ Every bad argument is one line on stderr and exit status 2.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import shutil
@@ -22,6 +23,7 @@ from ..control.protocol import checked_request
 from ..control.table import INLINE, POOL
 from ..control.tune import ClassSweep, Clients, Settings, median_noise, parse_classes, sweep_class
 from ..errors import ConfigError, VerityError
+from ..files import write_atomically
 from ..launch import Launched, nbdkit_command
 from ..limits import MAX_REQUEST_SIZE
 from ..serve.config import parse_size, plugin_pairs
@@ -182,8 +184,10 @@ def plot(path: str, sweeps: list[ClassSweep], title: str) -> None:
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     try:
-        fig.savefig(path, dpi=100)
-    except OSError as e:
+        image = io.BytesIO()
+        fig.savefig(image, dpi=100, format=os.path.splitext(path)[1][1:].lower() or "png")
+        write_atomically(path, image.getvalue())
+    except (OSError, ValueError) as e:
         raise VerityError(f"plot: {path}: {e.strerror or e}") from None
     finally:
         plt.close(fig)

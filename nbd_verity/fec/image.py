@@ -48,13 +48,19 @@ def fec_geometry(params: VerityParams, hash_path: str, fec_path: str, roots: int
 
 def write_fec(data_path: str, hash_path: str, fec_path: str, params: VerityParams,
               roots: int, fec_offset: int = 0, progress=None) -> FecGeometry:
-    """Write the parity of an image whose tree is already in hash_path."""
-    with ImageWriter(fec_path, "fec") as fec:  # created first: same_file needs it
+    """Write the parity of an image whose tree is already in hash_path; a FEC file this
+    call created is removed again if writing it fails (no partial parity stays)."""
+    fec = ImageWriter(fec_path, "fec")  # created first: same_file needs it
+    try:
         geo = fec_geometry(params, hash_path, fec_path, roots, fec_offset)
         fec.check_room(geo.parity_end)
         with ImageFile(data_path, "data") as data, ImageFile(hash_path, "hash") as hashes:
-            encode(geo, MessageReader(geo, data, hashes), fec.fd, progress)
+            encode(geo, MessageReader(geo, data, hashes), fec, progress)
         fec.sync()
+    except BaseException:
+        fec.discard()
+        raise
+    fec.close()
     return geo
 
 

@@ -170,13 +170,14 @@ class MessageReader:
         return bytes(buf)
 
 
-def encode(geo: FecGeometry, reader: MessageReader, fec: ImageFile | int,
+def encode(geo: FecGeometry, reader: MessageReader, fec,
            progress: Progress | None = None, workers: int | None = None) -> None:
-    """Write every group's parity at geo.fec_offset of fec (an open file descriptor, or
-    an ImageFile's fd). Groups are encoded a stripe of rounds at a time: each of the rsn
-    rows is ROW_SIZE bytes of one region, read with one pread, and the C codec releases
-    the GIL, so `workers` threads encode stripes side by side."""
-    fd = fec if isinstance(fec, int) else fec.fd
+    """Write every group's parity at geo.fec_offset of fec (an ImageWriter, whose errors
+    name it, or an open file descriptor). Groups are encoded a stripe of rounds at a
+    time: each of the rsn rows is ROW_SIZE bytes of one region, read with one pread, and
+    the C codec releases the GIL, so `workers` threads encode stripes side by side."""
+    write = (fec.pwrite_all if hasattr(fec, "pwrite_all")
+             else lambda buf, offset: _pwrite_all(fec, buf, offset))
     bs = geo.block_size
     per_stripe = max(1, ROW_SIZE // bs)
     stripes = [(n, min(per_stripe, geo.rounds - n)) for n in range(0, geo.rounds, per_stripe)]
@@ -190,7 +191,7 @@ def encode(geo: FecGeometry, reader: MessageReader, fec: ImageFile | int,
             reader.read_into(i * geo.rounds + first, view[i * width:(i + 1) * width])
         parity = rs.encode(geo.roots, [view[i * width:(i + 1) * width]
                                        for i in range(geo.rsn)], width)
-        _pwrite_all(fd, parity, geo.parity_span(first)[0])
+        write(parity, geo.parity_span(first)[0])
         return count
 
     workers = workers or max(1, min(4, len(os.sched_getaffinity(0))))

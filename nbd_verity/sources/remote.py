@@ -31,6 +31,7 @@ from ..limits import MAX_REQUEST_SIZE
 from .source import ImageFile
 
 URI_SCHEMES = ("nbd", "nbds", "nbd+unix", "nbds+unix")
+REMOTE_SCHEMES = ("http", "https", "s3")  # read through a captive nbdkit (upstream.py)
 DEFAULT_CONNECTIONS = 16  # pool bound with multi-conn: nbdkit's threads per client
 READ_TIMEOUT_S = 60.0  # a read taking longer is an error and its connection is dropped
 POLL_SLICE_MS = 1000  # libnbd poll timeout per wait, so the deadline is checked
@@ -39,6 +40,12 @@ POLL_SLICE_MS = 1000  # libnbd poll timeout per wait, so the deadline is checked
 def is_uri(text: str) -> bool:
     """Whether an image is named by an NBD URI (else it is a local path)."""
     return urllib.parse.urlsplit(text).scheme in URI_SCHEMES
+
+
+def is_url(text: str) -> bool:
+    """Whether an image is named by any URL we read (NBD, HTTP(S), S3): not a local path,
+    so nothing about it (sidecars above all) is ever looked up in the file system."""
+    return urllib.parse.urlsplit(text).scheme in URI_SCHEMES + REMOTE_SCHEMES
 
 
 def redacted(uri: str) -> str:

@@ -233,13 +233,18 @@ def check_output_room(path: str, role: str, size: int) -> None:
 class ImageWriter(ImageFile):
     """An output image (the hash image format writes, the FEC parity): opened read-write,
     created (mode 0644) if missing; discard() removes it again only if this writer
-    created it. A block device is written in place; it cannot grow."""
+    created it. A block device is written in place; it cannot grow. A new file is made
+    with O_EXCL (a symlink planted meanwhile makes it fail, not write elsewhere), and a
+    symlink to nothing is refused rather than followed to create its target."""
 
     def __init__(self, path: str, role: str) -> None:
         self.path = path
         self.role = role
         self.created = not os.path.lexists(path)
-        self.fd = open_image(path, role, os.O_RDWR | os.O_CREAT)
+        if not self.created and not os.path.exists(path):
+            raise ImageIOError(f"{role}: {path}: a symlink to a missing file")
+        self.fd = open_image(path, role, os.O_RDWR | (os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                                                      if self.created else 0))
 
     def pwrite_all(self, buf: bytes, offset: int) -> None:
         """Write all of buf at offset, or raise ImageIOError naming the image and the byte."""

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 
 from ..launch import NBDKIT, START_TIMEOUT, Launched
 from . import s3
+from .remote import REMOTE_SCHEMES
 
-REMOTE_SCHEMES = ("http", "https", "s3")
 # The retry filter's budget: 3 retries after 1, 2 and 4 s (7 s in all) keeps a request
 # under the Linux nbd client's 30 s default timeout, yet rides out a server restart.
 RETRY_KEYS = ("retries=3", "retry-delay=1")

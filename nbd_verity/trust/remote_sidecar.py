@@ -4,10 +4,11 @@ read over HTTP, or from the same bucket (sources/s3.py), instead of from the fil
 
 `serve https://host/disk.raw` with no HASH or ROOT_HASH calls discover() before it
 starts its captive upstreams: the hash image stays a URL (upstream.attach serves it like
-the data), the root hash becomes its hex, and a signature is written to a private 0600
-file handed to the plugin as root-hash-signature, so it is checked exactly as a local
-one. For s3://BUCKET/KEY the sidecars are the objects KEY.verity, KEY.roothash and
-KEY.roothash.p7s in the same bucket, read with the same endpoint and credentials
+the data), the root hash becomes its hex, and a signature is put in an anonymous memory
+file the exec'd nbdkit inherits, handed to the plugin as root-hash-signature, so it is
+checked exactly as a local one and no file of it is left behind. For s3://BUCKET/KEY
+the sidecars are the objects KEY.verity, KEY.roothash and KEY.roothash.p7s in the same
+bucket, read with the same endpoint and credentials
 (the caller passes sources.s3.sidecar_reader as read and exists).
 
 Nothing fetched here is trusted: a root hash is only as good as its signature, which the
@@ -17,7 +18,6 @@ plugin checks against the trusted certificates (and requires with require-signat
 from __future__ import annotations
 
 import os
-import tempfile
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -125,11 +125,23 @@ def discover(data: str, hash_image: str | None, root_hash_given: bool,
     return RemoteSidecars(new_hash, found.root_hash, signature, tuple(used))
 
 
-def write_private(blob: bytes, directory: str | None = None) -> str:
-    """BLOB in a fresh 0600 file (mkstemp) under $RUNTIME_DIRECTORY or $TMPDIR."""
-    if directory is None:
-        directory = os.environ.get("RUNTIME_DIRECTORY", "").split(":")[0] or None
-    fd, path = tempfile.mkstemp(prefix="nbd-verity-sig-", suffix=".p7s", dir=directory)
-    with os.fdopen(fd, "wb") as f:
-        f.write(blob)
+def write_private(blob: bytes, name: str) -> str:
+    """BLOB in an anonymous memory file (memfd) that the exec'd nbdkit inherits, as the
+    path its plugin reads it from (/proc/self/fd/N): no file is left anywhere to clean
+    up, and nobody else can open it. name (the URL) is what messages show for it."""
+    fd = os.memfd_create(name[:240], 0)  # no MFD_CLOEXEC: it must survive the exec
+    os.write(fd, blob)
+    return f"/proc/self/fd/{fd}"
+
+
+def private_label(path: str) -> str:
+    """What messages call a file write_private made: the name it was given."""
+    if not path.startswith("/proc/self/fd/"):
+        return path
+    try:
+        target = os.readlink(path)
+    except OSError:
+        return path
+    if target.startswith("/memfd:"):
+        return target.removeprefix("/memfd:").removesuffix(" (deleted)")
     return path

@@ -17,7 +17,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..errors import ConfigError, SignatureError
+from ..sources.remote import is_url
+from .remote_sidecar import private_label
 from .sidecar import (
+    Sidecars,
     exists_local,
     find_sidecars,
     parse_hex,
@@ -67,8 +70,18 @@ def resolve_root(data: str, hash_image: str | None = None, root_hash: str | None
                  require_signatures: bool = False, search_path=None,
                  read=read_local, exists=exists_local, xattr=xattr_local) -> TrustedRoot:
     """Fill in what was not given from DATA's sidecars, then check the signature, if any:
-    a present signature must verify; with REQUIRE_SIGNATURES one must be present."""
-    found = find_sidecars(data, read, exists, xattr, root_hash_given=root_hash is not None)
+    a present signature must verify; with REQUIRE_SIGNATURES one must be present.
+
+    Sidecars are looked up beside a local DATA only. For an image named by a URL, they
+    come from that same source or not at all (serve looks beside http(s) and s3 URLs
+    before it starts, trust/remote_sidecar.py); a local path made of a URL's text
+    (`nbd+unix:///?socket=/s.roothash`) would let whoever can write the current
+    directory choose the root hash."""
+    if is_url(data):
+        found = Sidecars(image=data)
+    else:
+        found = find_sidecars(data, read, exists, xattr,
+                              root_hash_given=root_hash is not None)
     source = "given"
     if root_hash is not None:
         root_hash = parse_hex(root_hash, "root-hash", "root hash")
@@ -77,20 +90,23 @@ def resolve_root(data: str, hash_image: str | None = None, root_hash: str | None
     der, sig_source, fingerprint = found.signature, found.signature_path, None
     if signature_path is not None:
         der, verity_sig = read_signature_file(signature_path, read)
-        sig_source = signature_path
+        sig_source = private_label(signature_path)  # a fetched one: its URL
         if verity_sig is not None:
             fingerprint = verity_sig.certificate_fingerprint
             root_hash, source = _signed_root(root_hash, source, verity_sig, signature_path)
     hash_image = hash_image or found.hash_image
     if hash_image is None:
-        raise ConfigError(f"hash: missing (give the hash image, or put "
-                          f"{data.removesuffix('.raw')}.verity beside the image)")
+        raise ConfigError("hash: missing (give the hash image" + (
+            ")" if is_url(data) else f", or put {data.removesuffix('.raw')}.verity beside "
+            f"the image)"))
     if root_hash is None:
-        raise ConfigError(f"root-hash: missing (give a root hash or a root-hash-file, or put "
-                          f"{data.removesuffix('.raw')}.roothash beside the image)")
+        raise ConfigError("root-hash: missing (give a root hash or a root-hash-file" + (
+            ")" if is_url(data) else f", or put {data.removesuffix('.raw')}.roothash "
+            f"beside the image)"))
     if der is None and require_signatures:
         raise SignatureError("require-signatures: the root hash is not signed (give "
-                             "root-hash-signature, or put IMAGE.roothash.p7s beside it)")
+                             "root-hash-signature" + (")" if is_url(data) else
+                                                      ", or put IMAGE.roothash.p7s beside it)"))
     return _settle(hash_image, root_hash, source, der, sig_source, fingerprint,
                    trusted_certs, search_path)
 

@@ -33,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..errors import SidecarError
+from ..files import write_atomically
 from ..sources.source import read_small_file
 
 MAX_SIDECAR_SIZE = 4 << 20  # systemd refuses a verity signature partition larger than 4 MiB
@@ -216,11 +217,8 @@ def read_signature_file(path: str, read: Reader = read_local) -> tuple[bytes, Ve
 
 
 def write_file(path: str, payload: bytes) -> None:
-    """Write payload to path whole: a temporary file beside it, then renamed over it."""
-    partial = f"{path}.partial"
-    with open(partial, "wb") as f:
-        f.write(payload)
-    os.replace(partial, path)
+    """Write payload to path whole: a file made by mkstemp beside it, renamed over it."""
+    write_atomically(path, payload)
 
 
 def write_sidecars(image: str, root_hex: str, signature: bytes) -> tuple[str, str]:

@@ -152,10 +152,12 @@ REJECTS = [
      r"nbd-verity: root-hash-file: .*/none: No such file or directory"),
     ("hash-offset-overlaps-the-data",
      lambda g, t: ["format", g[1], g[1], "--hash-offset=524288"],
-     r"nbd-verity: hash-offset: 524288 overlaps the data area \(which ends at byte 1048576\)"),
+     r"nbd-verity: hash-offset: the data area \(bytes 0-1048575 of \S+data.img\) overlaps the "
+     r"hash area \(bytes 524288-540671 of \S+data.img\) on the same device"),
     ("hash-offset-zero-on-the-data-image",
      lambda g, t: ["format", g[1], g[1]],
-     r"nbd-verity: hash-offset: 0 overlaps the data area \(which ends at byte 1048576\)"),
+     r"nbd-verity: hash-offset: the data area \(bytes 0-1048575 of \S+data.img\) overlaps the "
+     r"hash area \(bytes 0-\d+ of \S+data.img\) on the same device"),
     ("hash-offset-not-a-multiple-of-512",
      lambda g, t: ["format", g[1], t / "h", "--hash-offset=100"],
      r"nbd-verity: hash-offset: 100 is not a multiple of 512"),

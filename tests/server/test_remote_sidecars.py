@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,9 +67,14 @@ def test_serve_url_alone_finds_its_signed_sidecars(web, signed_image, servers, s
         signed_image.content
     line = next(x for x in server.log().splitlines() if "serving" in x)
     assert f"root hash {signed_image.root} signed by CN=url-signer" in line
-    signatures = [n for n in os.listdir(sockdir) if n.startswith("nbd-verity-sig-")]
-    assert len(signatures) == 1
-    assert os.stat(os.path.join(sockdir, signatures[0])).st_mode & 0o777 == 0o600
+    assert f"({web.url('disk.roothash.p7s')})" in line  # named by where it came from
+    # The fetched signature is handed over in memory: no file of it is left anywhere.
+    leftovers = [n for d in (sockdir, tempfile.gettempdir()) for n in os.listdir(d)
+                 if n.startswith("nbd-verity-sig-")]
+    assert leftovers == []
+    memfds = [os.readlink(f"/proc/{server.pid}/fd/{fd}")
+              for fd in os.listdir(f"/proc/{server.pid}/fd")]
+    assert f"/memfd:{web.url('disk.roothash.p7s')} (deleted)" in memfds
 
 
 def _refused(argv: list[str]) -> str:
