@@ -56,6 +56,10 @@ from .common import ddi_arguments, edge, fec_options, image_arguments, s3_option
               help="nbdkit thread model (default serialize-requests).")
 @click.option("--log-rate", type=click.IntRange(0), default=None, metavar="LINES",
               help="Log lines a minute before a summary (default 120; 0: no limit).")
+@click.option("--source-timeout", type=click.FloatRange(0, 86400, min_open=True),
+              default=None, metavar="SECONDS",
+              help="A connect or read of an NBD, HTTP or S3 image taking longer fails "
+                   "with EIO and the connection is replaced (default 60).")
 @click.option("--upstream-cache", is_flag=True,
               help="For http(s)/s3 images: nbdkit's cache filter below verification.")
 @click.option("--upstream-cache-size", default=None, metavar="SIZE",

@@ -112,6 +112,7 @@ class ServerConfig:
     fec_offset: int = 0  # bytes into fec_device where the parity starts
     partition: str | None = None  # a DDI: "auto", "root" or "usr" (serve/ddi.py); None:
     # a DDI only if no hash image is given or found and the data starts with a GPT
+    source_timeout: float = 60.0  # seconds a connect or read of an NBD source may take
 
     def __post_init__(self) -> None:
         if self.serialize and self.thread_model == PARALLEL:
@@ -140,6 +141,17 @@ def _choice(choices):
             raise ConfigError(f"{key}: {text!r} is not one of {', '.join(choices)}")
         return text
     return parse
+
+
+def _seconds(key: str, text: str) -> float:
+    """A positive number of seconds (at most a day)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise ConfigError(f"{key}: {text!r} is not a number of seconds") from None
+    if not 0 < value <= 86400:
+        raise ConfigError(f"{key}: {text} is outside 0 (exclusive) to 86400 seconds")
+    return value
 
 
 def _threshold(key: str, text: str) -> tuple[str, str]:
@@ -198,6 +210,7 @@ KEYS = (
     Key("fec-roots", "fec_roots", lambda k, v: parse_int(k, v, 0), "fec_roots"),
     Key("fec-offset", "fec_offset", parse_size, "fec_offset"),
     Key("partition", "partition", _choice(("auto", "root", "usr")), "partition"),
+    Key("source-timeout", "source_timeout", _seconds, "source_timeout"),
 )
 _BY_NAME = {key.name: key for key in KEYS}
 _DEFAULTS = {f.name: f.default for f in fields(ServerConfig)}

@@ -39,6 +39,7 @@ class Hooks:
 
     export_name: Callable[[], str] = lambda: ""
     peer_pid: Callable[[], int] = lambda: -1
+    stopping: Callable[[], bool] = lambda: False  # nbdkit shutting down: NBD waits end
 
 
 class Device:
@@ -50,8 +51,9 @@ class Device:
         self.ddi = open_ddi_of(config)  # a Discoverable Disk Image, or None
         if self.ddi is None:
             self.trust = trusted_root(config)
-            self.data = open_source(config.data, "data")  # a local file or an NBD URI
-            self.hashes = open_source(self.trust.hash_image, "hash")
+            wait = (self.hooks.stopping, config.source_timeout)  # for an NBD URI
+            self.data = open_source(config.data, "data", *wait)  # or a local file
+            self.hashes = open_source(self.trust.hash_image, "hash", *wait)
         else:  # both partitions of the one image, the root from the command line or GPT
             self.trust, self.data, self.hashes = self.ddi.trust, self.ddi.data, self.ddi.hashes
         self.hash_path = self.trust.hash_image

@@ -9,6 +9,15 @@ byte is served. What this module adds is the failure model of a network:
 - a read that fails, times out or finds the connection dropped raises ImageIOError (the
   plugin's EIO for that request only); a dropped or timed-out connection is closed and
   the next read opens a new one (`reconnects`); both are counted for `ctl stats`;
+- a connection whose server answers ESHUTDOWN (an nbdkit stopping on SIGTERM answers
+  every request so, and cannot exit while we hold the connection) is dead too: it is
+  closed, and the read is tried once more on a new connection, so a server restarted
+  on the same socket serves the very next read;
+- connecting has the same deadline as a read (a listener that accepts but never
+  speaks fails that read with EIO), and every wait is cut into POLL_SLICE_MS slices
+  after each of which `stopping()` is asked (the plugin passes one that asks nbdkit
+  whether it is shutting down or the client has gone), so SIGTERM stops the server
+  promptly whatever the upstream does;
 - parallel requests use a pool of connections, each carrying one request at a time and
   opened only when requests overlap, up to DEFAULT_CONNECTIONS, but only if the upstream
   advertises multi-conn (NBD_FLAG_CAN_MULTI_CONN); otherwise one connection, which
@@ -22,6 +31,8 @@ it is never held during I/O.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import threading
 import time
 import urllib.parse
@@ -34,7 +45,7 @@ URI_SCHEMES = ("nbd", "nbds", "nbd+unix", "nbds+unix")
 REMOTE_SCHEMES = ("http", "https", "s3")  # read through a captive nbdkit (upstream.py)
 DEFAULT_CONNECTIONS = 16  # pool bound with multi-conn: nbdkit's threads per client
 READ_TIMEOUT_S = 60.0  # a read taking longer is an error and its connection is dropped
-POLL_SLICE_MS = 1000  # libnbd poll timeout per wait, so the deadline is checked
+POLL_SLICE_MS = 250  # libnbd poll timeout per wait, so the deadline and stopping() are checked
 
 
 def is_uri(text: str) -> bool:
@@ -55,19 +66,32 @@ def redacted(uri: str) -> str:
     return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, parts.query, ""))
 
 
-def open_source(text: str, role: str):
-    """The source of the data or hash image: NbdSource for a URI, else ImageFile."""
-    return NbdSource(text, role) if is_uri(text) else ImageFile(text, role)
+def open_source(text: str, role: str, stopping=None, timeout_s: float = READ_TIMEOUT_S):
+    """The source of the data or hash image: NbdSource for a URI, else ImageFile.
+    stopping() says whether a wait on an NBD server should give up (server shutdown);
+    timeout_s bounds each connect and read there."""
+    if is_uri(text):
+        return NbdSource(text, role, timeout_s=timeout_s, stopping=stopping)
+    return ImageFile(text, role)
+
+
+def _never() -> bool:
+    return False
+
+
+class _Shutdown(ImageIOError):
+    """The server answered ESHUTDOWN: it is stopping, and this connection is dead."""
 
 
 class NbdSource:
     """A read-only image on an NBD server, with ImageFile's interface."""
 
     def __init__(self, uri: str, role: str, connections: int = DEFAULT_CONNECTIONS,
-                 timeout_s: float = READ_TIMEOUT_S) -> None:
+                 timeout_s: float = READ_TIMEOUT_S, stopping=None) -> None:
         self.path = uri  # as ImageFile.path: what messages name
         self.role = role
         self.timeout_s = timeout_s
+        self.stopping = stopping or _never
         self.source_errors = 0  # reads that failed (each one an EIO or a skipped readahead)
         self.reconnects = 0  # connections opened to replace a dropped one
         self._lock = threading.Lock()
@@ -86,15 +110,36 @@ class NbdSource:
     # -- connections ------------------------------------------------------------------
 
     def _connect(self):
+        """A new connection, its handshake done within timeout_s (asynchronously: a
+        server that accepts and never speaks cannot hold us), or ImageIOError."""
         import nbd  # Debian python3-libnbd; only servers with NBD sources need it
         h = nbd.NBD()
         h.set_pread_initialize(False)  # the bytes are verified or the request fails
+        where = f"{self.role}: {redacted(self.path)}"
         try:
-            h.connect_uri(self.path)
+            h.aio_connect_uri(self.path)
+            self._wait(h, lambda: not h.aio_is_connecting(), where, "no handshake")
+            if not h.aio_is_ready():
+                raise ImageIOError(f"{where}: {nbd.get_error() or 'connection failed'}")
         except nbd.Error as e:
             _close(h)
-            raise ImageIOError(f"{self.role}: {redacted(self.path)}: {e.string}") from None
+            raise ImageIOError(f"{where}: {e.string}") from None
+        except ImageIOError:
+            _close(h)
+            raise
         return h
+
+    def _wait(self, h, done, where: str, what: str) -> None:
+        """Poll h until done(), within timeout_s; a wait past it, or while stopping(),
+        abandons the handle (the caller closes it) and raises ImageIOError."""
+        deadline = time.monotonic() + self.timeout_s
+        while not done():
+            if time.monotonic() > deadline:
+                _abandon(h)
+                raise ImageIOError(f"{where}: {what} in {self.timeout_s:g} s")
+            if h.poll(POLL_SLICE_MS) == 0 and self.stopping():
+                _abandon(h)
+                raise ImageIOError(f"{where}: abandoned, the server is stopping")
 
     def _take(self):
         """An idle connection, a new one (up to the limit), or wait for one."""
@@ -146,13 +191,24 @@ class NbdSource:
                 self.source_errors += 1
             raise ImageIOError(f"{self.role} image {redacted(self.path)} ends at byte "
                                f"{self._size}, {offset + total} needed")
+        try:
+            self._read_on_one(buf, offset)
+        except _Shutdown:  # that server is going: once more, on a new connection
+            self._read_on_one(buf, offset)
+
+    def _read_on_one(self, buf: memoryview, offset: int) -> None:
+        """The read on one connection of the pool (given back, or closed if broken)."""
         h = self._take()
         broken = True
         try:
-            for start in range(0, total, self._max_read):
+            for start in range(0, len(buf), self._max_read):
                 piece = buf[start:start + self._max_read]
                 self._pread(h, piece, offset + start)
             broken = False
+        except _Shutdown:
+            with self._lock:
+                self.source_errors += 1
+            raise
         except ImageIOError:
             with self._lock:
                 self.source_errors += 1
@@ -166,15 +222,12 @@ class NbdSource:
         read leaves its connection dead (closed by the caller)."""
         import nbd
         where = f"{self.role} image {redacted(self.path)}: read at byte {offset}"
-        deadline = time.monotonic() + self.timeout_s
         try:
             cookie = h.aio_pread(nbd.Buffer.from_buffer(piece), offset)
-            while not h.aio_command_completed(cookie):
-                if time.monotonic() > deadline:
-                    h.shutdown(nbd.SHUTDOWN_ABANDON_PENDING)
-                    raise ImageIOError(f"{where}: no reply in {self.timeout_s:g} s")
-                h.poll(POLL_SLICE_MS)
+            self._wait(h, lambda: h.aio_command_completed(cookie), where, "no reply")
         except nbd.Error as e:
+            if e.errnum == errno.ESHUTDOWN:
+                raise _Shutdown(f"{where}: {e.string}") from None
             raise ImageIOError(f"{where}: {e.string}") from None
 
     def read(self, size: int, offset: int) -> bytearray:
@@ -206,6 +259,13 @@ def _max_read_size(h) -> int:
     except nbd.Error:
         advertised = 0
     return min(advertised, MAX_REQUEST_SIZE) if advertised > 0 else MAX_REQUEST_SIZE
+
+
+def _abandon(h) -> None:
+    """Give up a handle's pending work and connection (it is closed by the caller)."""
+    import nbd
+    with contextlib.suppress(nbd.Error):  # not connected yet: closing is enough
+        h.shutdown(nbd.SHUTDOWN_ABANDON_PENDING)
 
 
 def _is_dead(h) -> bool:

@@ -1,0 +1,143 @@
+"""An NBD upstream that stalls or stops: reads fail with EIO within the source timeout
+or are served by the upstream that replaced it, and SIGTERM always stops the server.
+
+The upstreams are real nbdkit `file` servers; the stalled one is a listener on the
+upstream's socket that accepts connections and never says a word (the handshake never
+starts), as a wedged or malicious server would.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+import time
+from dataclasses import replace
+
+import nbd
+import pytest
+
+from .serverlib import MIB, control_request, expect_eio, make_image, random_bytes
+from .upstreams import NbdkitFile
+
+CHUNK = 64 << 10
+TIMEOUT_S = 3  # the servers' source-timeout here
+
+
+@pytest.fixture(scope="module")
+def image(tmp_path_factory):
+    return make_image(tmp_path_factory.mktemp("upfail"), random_bytes(17, 2 * MIB))
+
+
+@pytest.fixture
+def upstream(image, sockdir):
+    server = NbdkitFile(image.data, sockdir, "up").start()
+    yield server
+    server.stop()
+
+
+class SilentListener:
+    """Accepts every connection on a Unix socket and never answers (closed at the end)."""
+
+    def __init__(self, path: str) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(path)
+        self.sock.listen(16)
+        self.accepted: list[socket.socket] = []
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.accepted.append(conn)
+
+    def close(self) -> None:
+        self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+        for conn in self.accepted:
+            conn.close()
+        self._thread.join(10)
+
+
+def totals(control: str) -> dict:
+    return control_request(control, {"cmd": "stats"})["stats"]["totals"]
+
+
+def start_verifier(servers, image, upstream, sockdir):
+    control = os.path.join(sockdir, "ctl.sock")
+    server = servers.start(replace(image, data=upstream.uri), control=control,
+                           source_timeout=TIMEOUT_S)
+    return server, control
+
+
+def test_a_stalled_upstream_fails_the_read_within_the_timeout(image, upstream, servers,
+                                                              sockdir):
+    server, _ = start_verifier(servers, image, upstream, sockdir)
+    h = server.connect()
+    assert h.pread(CHUNK, 0) == image.expected(0, CHUNK)
+    upstream.proc.kill()  # by pid; its socket file stays: replace it with a silent one
+    upstream.wait()
+    os.unlink(upstream.sock)
+    silent = SilentListener(upstream.sock)
+    try:
+        started = time.monotonic()
+        expect_eio(h, CHUNK, CHUNK)  # the dropped connection
+        expect_eio(h, CHUNK, 2 * CHUNK)  # the reconnect: accepted, never answered
+        elapsed = time.monotonic() - started
+        assert len(silent.accepted) >= 1
+        assert elapsed < TIMEOUT_S * 2 + 10, elapsed
+        assert "no handshake in 3 s" in server.log(), server.log()
+    finally:
+        silent.close()
+
+
+def test_sigterm_stops_the_server_while_a_read_waits_on_a_stalled_upstream(
+        image, upstream, servers, sockdir):
+    """With a source timeout of an hour, only SIGTERM can end the wait: it must."""
+    control = os.path.join(sockdir, "ctl.sock")
+    server = servers.start(replace(image, data=upstream.uri), control=control,
+                           source_timeout=3600)
+    h = server.connect()
+    assert h.pread(CHUNK, 0) == image.expected(0, CHUNK)
+    upstream.proc.kill()
+    upstream.wait()
+    os.unlink(upstream.sock)
+    silent = SilentListener(upstream.sock)
+    try:
+        expect_eio(h, CHUNK, CHUNK)  # the dropped connection; the next read reconnects
+        buf = nbd.Buffer(CHUNK)
+        cookie = h.aio_pread(buf, CHUNK)  # stays in flight: the upstream never answers
+        deadline = time.monotonic() + 30
+        while not silent.accepted and time.monotonic() < deadline:
+            h.poll(100)
+        assert silent.accepted, "the read never reached the stalled upstream"
+        started = time.monotonic()
+        os.kill(server.pid, signal.SIGTERM)
+        server.proc.wait(timeout=20)
+        assert time.monotonic() - started < 10
+        assert cookie
+    finally:
+        silent.close()
+
+
+def test_an_upstream_stopped_with_sigterm_is_replaced(image, upstream, servers, sockdir):
+    """nbdkit answers ESHUTDOWN while it stops, and cannot exit while we hold its
+    connection: the connection is dropped, the old upstream exits, and the very next
+    read is served by the new one on the same socket."""
+    server, control = start_verifier(servers, image, upstream, sockdir)
+    h = server.connect()
+    assert h.pread(CHUNK, 0) == image.expected(0, CHUNK)
+    old = upstream.proc
+    old.send_signal(signal.SIGTERM)
+    expect_eio(h, CHUNK, CHUNK)  # the shutdown answer; the new server is not up yet
+    old.wait(timeout=20)  # it exits: we let go of its connection
+    upstream.start()
+    for offset in range(0, image.size, CHUNK):  # every read, none failing
+        assert h.pread(CHUNK, offset) == image.expected(offset, CHUNK)
+    counts = totals(control)
+    assert counts["reconnects"] >= 1 and counts["corruptions"] == 0
