@@ -140,9 +140,16 @@ def s3_options(fn):
 
 
 def ddi_arguments(options: dict) -> None:
-    """With --partition, DATA is a DDI holding its own verity partition: the second
-    argument is then the ROOT_HASH (serve and verify take DATA [ROOT_HASH])."""
-    if options.get("partition") is None or options.get("hash_image") is None:
+    """For a DDI (with --partition, or DATA starting with a GPT), which holds its own
+    verity partition, the second argument is the ROOT_HASH (serve and verify take DATA
+    [ROOT_HASH])."""
+    if options.get("partition") is None:
+        from ..serve.ddi import root_hash_in_hash_place  # the GPT code only for a DDI
+        if root_hash_in_hash_place(options["data"], options.get("hash_image"),
+                                   options.get("root_hash")):
+            options["root_hash"], options["hash_image"] = options["hash_image"], None
+        return
+    if options.get("hash_image") is None:
         return
     if options.get("root_hash") is not None:
         raise click.UsageError("--partition: give DATA [ROOT_HASH]; the hash image is the "

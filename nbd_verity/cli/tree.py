@@ -230,9 +230,10 @@ def verify_cmd(data: str, hash_image: str | None, root_hash: str | None,
     say which corrupted blocks FEC repairs, as veritysetup verify --fec-device. A
     Discoverable Disk Image is checked as its data and verity partitions."""
     from ..serve.ddi import is_ddi  # the GPT code only for a disk image
-    options = {"hash_image": hash_image, "root_hash": root_hash, "partition": partition}
+    options = {"data": data, "hash_image": hash_image, "root_hash": root_hash,
+               "partition": partition}
     ddi_arguments(options)
-    if options["partition"] is not None or is_ddi(data, hash_image):
+    if options["partition"] is not None or is_ddi(data, options["hash_image"]):
         if fec_device is not None:
             raise ConfigError("fec-device: not supported for a DDI")
         _verify_ddi(data, options["partition"] or "auto",

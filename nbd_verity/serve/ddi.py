@@ -58,6 +58,21 @@ def is_ddi(location: str, hash_image: str | None) -> bool:
         return False  # the usual path reports the image itself
 
 
+def root_hash_in_hash_place(location: str, hash_image: str | None,
+                            root_hash: str | None) -> bool:
+    """Whether `DATA X` names a DDI and its root hash X (a DDI's second argument is its
+    root hash, as with --partition): X is hex and names no file, and DATA is a DDI."""
+    if hash_image is None or root_hash is not None or os.path.lexists(hash_image):
+        return False
+    if "://" in hash_image:
+        return False
+    try:
+        parse_hex(hash_image, "root-hash", "root hash")
+    except SidecarError:
+        return False
+    return is_ddi(location, None)
+
+
 def label(part: GptPartition) -> str:
     """'partition 2, root-x86-64-verity': how messages name a partition."""
     kind = partition_type(part.type_uuid)

@@ -97,6 +97,27 @@ def test_served_ddi_reads_back_its_data_partition(tmp_path, servers, signer, req
     assert ("signed by CN=ddi-signer" in line) == sign
 
 
+@pytest.fixture(scope="module")
+def unsigned(tmp_path_factory):
+    return make_ddi(tmp_path_factory.mktemp("ddi-unsigned"), "root", None)
+
+
+def test_unsigned_ddi_and_its_root_hash_as_the_second_argument(unsigned, servers, tools):
+    """`serve DDI ROOT_HASH` and `verify DDI ROOT_HASH`, as the help says, without
+    --partition: the second argument of a DDI is its root hash."""
+    server = servers.serve_cli([str(unsigned.path), unsigned.root])
+    h = server.connect()
+    expected = unsigned.data.read(unsigned.path)
+    assert h.pread(len(expected), 0) == expected
+    assert f"root hash {unsigned.root} unsigned" in server.log()
+    run = tools.ours("verify", unsigned.path, unsigned.root)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("Verified "), run.stdout
+    wrong = unsigned.root[:-1] + ("0" if unsigned.root[-1] != "0" else "1")
+    run = tools.ours("verify", unsigned.path, wrong)
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run
+
+
 def test_flipped_byte_in_the_data_partition_fails_exactly_there(signed, tmp_path, servers,
                                                                 signer):
     ddi = copy_of(signed, tmp_path / "bad")
