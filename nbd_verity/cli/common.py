@@ -99,14 +99,19 @@ def trust_options(fn):
     return fn
 
 
-def image_arguments(fn):
+def image_arguments(fn=None, *, optional_data: bool = False):
     """DATA [HASH [ROOT_HASH]], the tree options, --root-hash-file and the trust options:
     what names a verity device to check or serve (verify, serve). HASH and ROOT_HASH may
-    be left out when DATA's sidecars (IMAGE.verity, IMAGE.roothash) are beside it."""
+    be left out when DATA's sidecars (IMAGE.verity, IMAGE.roothash) are beside it; DATA
+    too with optional_data (serve: an export file may name it instead)."""
+    if fn is None:
+        return lambda f: image_arguments(f, optional_data=optional_data)
     for decorator in reversed((
-            click.argument("data"),
+            click.argument("data", metavar="[DATA" if optional_data else "DATA",
+                           required=not optional_data),
             click.argument("hash_image", metavar="[HASH", required=False),
-            click.argument("root_hash", metavar="[ROOT_HASH]]", required=False),
+            click.argument("root_hash", metavar="[ROOT_HASH]]]" if optional_data
+                           else "[ROOT_HASH]]", required=False),
             geometry_options,
             click.option("--root-hash-file", default=None,
                          help="Read the root hash (hex) from this file."),
@@ -140,18 +145,6 @@ def s3_options(fn):
 
 
 def ddi_arguments(options: dict) -> None:
-    """For a DDI (with --partition, or DATA starting with a GPT), which holds its own
-    verity partition, the second argument is the ROOT_HASH (serve and verify take DATA
-    [ROOT_HASH])."""
-    if options.get("partition") is None:
-        from ..serve.ddi import root_hash_in_hash_place  # the GPT code only for a DDI
-        if root_hash_in_hash_place(options["data"], options.get("hash_image"),
-                                   options.get("root_hash")):
-            options["root_hash"], options["hash_image"] = options["hash_image"], None
-        return
-    if options.get("hash_image") is None:
-        return
-    if options.get("root_hash") is not None:
-        raise click.UsageError("--partition: give DATA [ROOT_HASH]; the hash image is the "
-                               "DDI's verity partition")
-    options["root_hash"], options["hash_image"] = options["hash_image"], None
+    """For a DDI, the second argument is its ROOT_HASH (serve/image.py has the rule)."""
+    from ..serve.image import settle_ddi_arguments  # the GPT code only for a DDI
+    settle_ddi_arguments(options)

@@ -71,21 +71,62 @@ def thresholds_cmd(control: str, assignments, preset, as_json) -> None:
         click.echo(describe(reply["calibration"]))
 
 
+EXPORT_OPTION = click.option("--export", "export", default=None, metavar="NAME",
+                             help="One export of a many-export server (default: all).")
+
+
 @ctl.command("stats")
 @click.option("--json", "as_json", is_flag=True, help="Print the raw reply.")
 @click.option("--reset", is_flag=True, help="Zero the counters after reading them.")
+@EXPORT_OPTION
 @click.pass_obj
 @edge
-def stats_cmd(control: str, as_json: bool, reset: bool) -> None:
+def stats_cmd(control: str, as_json: bool, reset: bool, export: str | None) -> None:
     """Requests per class and path, latencies, cache and hash-read counters."""
     request: dict = {"cmd": "stats"}
     if reset:
         request["reset"] = True
+    if export is not None:
+        request["export"] = export
     reply = checked(control, request)
     if as_json:
         click.echo(json.dumps(reply))
         return
-    click.echo(format_stats(reply["stats"]))
+    stats = reply["stats"]
+    if "exports" not in stats:
+        click.echo(format_stats(stats))
+        return
+    blocks = [f"export {name}\n{format_stats(one)}" for name, one in stats["exports"].items()]
+    click.echo("\n\n".join(blocks) if blocks else "no exports")
+
+
+@ctl.command("exports")
+@click.argument("action", required=False, type=click.Choice(["reload"]))
+@click.option("--json", "as_json", is_flag=True, help="Print the raw reply.")
+@click.pass_obj
+@edge
+def exports_cmd(control: str, action: str | None, as_json: bool) -> None:
+    """The exports of a many-export server, with their status; `reload` re-reads its
+    directory of export files (new, changed and removed files; a bad one is refused)."""
+    request: dict = {"cmd": "exports"}
+    if action == "reload":
+        request["reload"] = True
+    reply = checked(control, request)
+    if as_json:
+        click.echo(json.dumps(reply))
+        return
+    report = reply.get("reload")
+    if report is not None:
+        for what in ("added", "changed", "removed"):
+            if report[what]:
+                click.echo(f"{what}: {', '.join(report[what])}")
+        for why in report["refused"].values():  # each names its file
+            click.echo(f"refused: {why}")
+    for item in reply["exports"]:
+        click.echo(f"{item['name']:<16} {item['status']}  corruptions {item['corruptions']}  "
+                   f"clients {item['connections']}  {item['description']}")
+    if report is not None and report["refused"]:
+        fail(f"{len(report['refused'])} export file(s) refused", EXIT_CORRUPT)
 
 
 @ctl.command("metrics")
@@ -97,7 +138,7 @@ def stats_cmd(control: str, as_json: bool, reset: bool) -> None:
 def metrics_cmd(control: str, output: str | None) -> None:
     """The counters and per-class latency in Prometheus' text exposition format."""
     from ..control.metrics import exposition
-    text = exposition(checked(control, {"cmd": "stats"})["stats"])
+    text = exposition(checked(control, {"cmd": "stats"})["stats"])  # with export labels
     if output is None:
         click.echo(text, nl=False)
         return
@@ -142,15 +183,24 @@ def trust_line(trust: dict) -> str:
 
 @ctl.command("status")
 @click.option("--json", "as_json", is_flag=True, help="Print the raw reply.")
+@EXPORT_OPTION
 @click.pass_obj
 @edge
-def status_cmd(control: str, as_json: bool) -> None:
+def status_cmd(control: str, as_json: bool, export: str | None) -> None:
     """V (all verified) or C (corruption seen), as dmsetup status prints."""
-    reply = checked(control, {"cmd": "status"})
+    request: dict = {"cmd": "status"}
+    if export is not None:
+        request["export"] = export
+    reply = checked(control, request)
     if as_json:
         click.echo(json.dumps(reply))
         return
     status = reply["status"]
+    if "exports" in status:
+        for name, one in status["exports"].items():
+            click.echo(f"{name:<16} {one['status']}  corruptions {one['corruptions']}  "
+                       f"mode {one['mode']}  clients {one['connections']}")
+        return
     click.echo(f"{status['status']}  corruptions {status['corruptions']}  "
                f"mode {status['mode']}  uptime {status['uptime_s']:.0f} s")
     if "trust" in status:

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import click
 
-from ..serve.config import IGNORE_CORRUPTION, PARALLEL, RESTART_ON_CORRUPTION, THREAD_MODELS
-from .common import ddi_arguments, edge, fec_options, image_arguments, s3_options
+from ..serve.config import PARALLEL, THREAD_MODELS
+from .common import edge, fec_options, image_arguments, s3_options
 
 
 @click.command("serve")
-@image_arguments
+@image_arguments(optional_data=True)
 @fec_options
 @click.option("--unix", default=None, metavar="PATH", help="Listen on this Unix socket.")
 @click.option("--port", type=click.IntRange(0, 65535), default=None, help="Listen on TCP port.")
@@ -64,73 +64,66 @@ from .common import ddi_arguments, edge, fec_options, image_arguments, s3_option
               help="For http(s)/s3 images: nbdkit's cache filter below verification.")
 @click.option("--upstream-cache-size", default=None, metavar="SIZE",
               help="Bound of that cache (nbdkit's cache-max-size, e.g. 1G).")
+@click.option("--exports", "exports_dir", default=None, metavar="DIR",
+              help="Serve every DIR/NAME.conf as export NAME (clients pick one by name: "
+                   "nbd-client -N NAME); give no DATA then.")
+@click.option("--export-file", default=None, metavar="FILE",
+              help="Serve the image FILE names (an /etc/nbd-verity/NAME.conf), as the "
+                   "template units do; give no DATA then.")
 @s3_options
 @edge
-def serve_cmd(ignore_corruption, restart_on_corruption, unix, port, bind, threads, pid_file,
-              exit_with_parent, verbose, upstream_cache, upstream_cache_size,
-              s3_endpoint, s3_profile, s3_credentials, **options) -> None:
+def serve_cmd(unix, port, bind, threads, pid_file, exit_with_parent, verbose, exports_dir,
+              export_file, **options) -> None:
     """Serve DATA over NBD, verifying every byte against HASH and ROOT_HASH (or the
     IMAGE.verity, IMAGE.roothash and IMAGE.roothash.p7s beside DATA).
 
     DATA and HASH are paths, NBD URIs (nbd://, nbds://, nbd+unix://) or http(s):// and
-    s3:// URLs (read through nbdkit's curl or S3 plugin, started here)."""
+    s3:// URLs (read through nbdkit's curl or S3 plugin, started here). With --exports
+    DIR, one server serves every image of DIR's export files, each by its name."""
     from ..launch import check_listen
-    from ..serve.config import plugin_pairs  # the server side, imported only to serve
-    from ..serve.startup import exec_server
-    from ..sources.s3 import S3Options
-    from ..sources.upstream import UpstreamOptions, attach
-    if ignore_corruption and restart_on_corruption:
-        raise click.UsageError("--ignore-corruption and --restart-on-corruption conflict")
-    if options.get("serialize") is False:  # --parallel: nbdkit's parallel thread model
+    from ..serve.image import image_pairs  # the server side, imported only to serve
+    from ..serve.startup import exec_exports, exec_server
+    listen = {"unix": unix, "port": port, "bind": bind, "threads": threads,
+              "pid_file": pid_file, "exit_with_parent": exit_with_parent, "verbose": verbose}
+    _thread_model(options)
+    check_listen({"unix": unix, "port": port})
+    if exports_dir is not None or export_file is not None:
+        if options["data"] is not None:
+            raise click.UsageError("give DATA, --export-file or --exports, one of them")
+        if exports_dir is not None and export_file is not None:
+            raise click.UsageError("--exports and --export-file conflict")
+    if exports_dir is not None:
+        exec_exports(exports_dir, options, listen)
+        return
+    if export_file is not None:
+        options = _from_export_file(export_file, options, listen)
+    elif options["data"] is None:
+        raise click.UsageError("Missing argument 'DATA' (or --export-file, --exports).")
+    exec_server(image_pairs(options), listen)
+
+
+def _thread_model(options: dict) -> None:
+    """--parallel is nbdkit's parallel thread model (and conflicts with another one)."""
+    if options.get("serialize") is False:
         if options.get("thread_model") not in (None, PARALLEL):
             raise click.UsageError("--parallel conflicts with --thread-model")
         options["serialize"], options["thread_model"] = None, PARALLEL
-    check_listen({"unix": unix, "port": port})
-    s3 = S3Options(s3_endpoint, s3_profile, s3_credentials)
-    ddi_arguments(options)
-    if options["partition"] is None:
-        _remote_sidecars(options, s3)
-    images = {role: options[role] for role in ("data", "hash_image") if options[role]}
-    options.update(attach(images, UpstreamOptions(upstream_cache, upstream_cache_size, s3)))
-    options["error_mode"] = (IGNORE_CORRUPTION if ignore_corruption else
-                             RESTART_ON_CORRUPTION if restart_on_corruption else None)
-    exec_server(plugin_pairs(options),
-                {"unix": unix, "port": port, "bind": bind, "threads": threads,
-                 "pid_file": pid_file, "exit_with_parent": exit_with_parent,
-                 "verbose": verbose})
 
 
-def _remote_sidecars(options: dict, s3) -> None:
-    """Fill in HASH, ROOT_HASH and the signature from URL.verity, URL.roothash and
-    URL.roothash.p7s when DATA is an http(s) or s3 URL and HASH or ROOT_HASH is missing."""
-    from ..errors import ConfigError
-    from ..format.gpt import HEAD_SIZE, starts_with_gpt
-    from ..sources.s3 import check_object, is_s3, sidecar_reader
-    from ..trust.remote_sidecar import discover, has_remote_sidecars, http_head, write_private
-    from ..trust.sidecar import auxiliary_path
-    root_given = options["root_hash"] is not None or options["root_hash_file"] is not None
-    if not has_remote_sidecars(options["data"]) or (options["hash_image"] and root_given):
-        return
-    readers = ()
-    if is_s3(options["data"]):  # the image itself first: its refusal names it
-        check_object(options["data"], s3)
-        readers = sidecar_reader(s3)
-    found = discover(options["data"], options["hash_image"], root_given,
-                     options["root_hash_signature"] is not None, *readers)
-    data = options["data"]
-    if not options["hash_image"] and found.hash_image is None:
-        if not is_s3(data) and starts_with_gpt(http_head(data, HEAD_SIZE)):
-            options["partition"] = "auto"  # a DDI: the plugin reads its GPT
-            return
-        raise ConfigError(f"hash: missing (give the hash image, or put "
-                          f"{auxiliary_path(data, '.verity')} beside the image)")
-    if not root_given and found.root_hash is None:
-        raise ConfigError(f"root-hash: missing (give a root hash or a root-hash-file, or put "
-                          f"{auxiliary_path(data, '.roothash')} beside the image)")
-    if found.hash_image is not None:
-        options["hash_image"] = found.hash_image
-    if found.root_hash is not None:
-        options["root_hash"] = found.root_hash
-    if found.signature is not None:  # checked by the plugin as a local file would be
-        options["root_hash_signature"] = write_private(found.signature,
-                                                       found.found[-1])
+def _from_export_file(path: str, options: dict, listen: dict) -> dict:
+    """serve's options with an export file's image and ARGS in them (the command line's
+    own options first; the file's may not repeat them)."""
+    from ..serve.exportfile import read_export_file
+    spec = read_export_file(path)
+    merged = dict(options, data=spec.data, hash_image=spec.hash_image,
+                  root_hash=spec.root_hash)
+    for name, value in spec.options.items():
+        if name == "threads":
+            listen["threads"] = listen["threads"] or value
+            continue
+        if options.get(name) not in (None, False, ()):
+            raise click.UsageError(f"{path}: ARGS repeats an option given on the command "
+                                   f"line ({name.replace('_', '-')})")
+        merged[name] = tuple(value) if isinstance(value, list) else value
+    _thread_model(merged)
+    return merged

@@ -135,8 +135,30 @@ def _state_families(stats: dict) -> list[str]:
     return lines
 
 
+def _one(stats: dict) -> list[str]:
+    return [*_class_families(stats), *_total_families(stats.get("totals", {})),
+            *_state_families(stats)]
+
+
 def exposition(stats: dict) -> str:
-    """The whole stats snapshot as Prometheus text, ending in a newline."""
-    lines = [*_class_families(stats), *_total_families(stats.get("totals", {})),
-             *_state_families(stats)]
-    return "\n".join(lines) + "\n"
+    """The whole stats snapshot as Prometheus text, ending in a newline. A many-export
+    server's (stats["exports"]) has every sample labelled with its export, and each
+    family's HELP and TYPE once, its samples together, as the format requires."""
+    if "exports" not in stats:
+        return "\n".join(_one(stats)) + "\n"
+    headers: dict[str, list[str]] = {}  # family -> its HELP and TYPE lines
+    samples: dict[str, list[str]] = {}
+    for name, one in stats["exports"].items():
+        label = f'export="{_label_value(name)}"'
+        for line in _one(one):
+            if line.startswith("# "):
+                family = line.split()[2]
+                if len(headers.setdefault(family, [])) < 2:
+                    headers[family].append(line)
+                continue
+            metric, _, value = line.partition(" ")
+            family, brace, labels = metric.partition("{")  # every sample is its family's
+            labelled = f"{family}{{{label},{labels}" if brace else f"{family}{{{label}}}"
+            samples.setdefault(family, []).append(f"{labelled} {value}")
+    return "".join(line + "\n" for family in headers
+                   for line in (*headers[family], *samples.get(family, ())))

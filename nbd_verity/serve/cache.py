@@ -35,6 +35,7 @@ class HashBlockCache:
     """Verified hash blocks by absolute block number, all levels in one byte budget."""
 
     def __init__(self, hash_block_size: int, cache_size: int = DEFAULT_CACHE_SIZE) -> None:
+        self.block_size = hash_block_size
         self.capacity = max(1, cache_size // hash_block_size)  # blocks kept, all levels
         self.budget_size = self.capacity * hash_block_size
         self._levels: list[OrderedDict[int, bytes]] = []  # index = tree level
@@ -88,6 +89,15 @@ class HashBlockCache:
                 self._level_of[block] = level
             self._levels[level][block] = data
             self._levels[level].move_to_end(block)
+            while len(self._level_of) > self.capacity:
+                self._evict_one()
+
+    def resize(self, cache_size: int) -> None:
+        """A new budget (a many-export server shares one among its exports): evict down
+        to it now, lowest levels first, as put() would."""
+        with self._lock:
+            self.capacity = max(1, cache_size // self.block_size)
+            self.budget_size = self.capacity * self.block_size
             while len(self._level_of) > self.capacity:
                 self._evict_one()
 

@@ -113,6 +113,7 @@ class ServerConfig:
     partition: str | None = None  # a DDI: "auto", "root" or "usr" (serve/ddi.py); None:
     # a DDI only if no hash image is given or found and the data starts with a GPT
     source_timeout: float = 60.0  # seconds a connect or read of an NBD source may take
+    exports: str | None = None  # a directory of export files: serve them all (exports.py)
 
     def __post_init__(self) -> None:
         if self.serialize and self.thread_model == PARALLEL:
@@ -211,6 +212,7 @@ KEYS = (
     Key("fec-offset", "fec_offset", parse_size, "fec_offset"),
     Key("partition", "partition", _choice(("auto", "root", "usr")), "partition"),
     Key("source-timeout", "source_timeout", _seconds, "source_timeout"),
+    Key("exports", "exports", absolute_file, "exports"),
 )
 _BY_NAME = {key.name: key for key in KEYS}
 _DEFAULTS = {f.name: f.default for f in fields(ServerConfig)}
@@ -273,8 +275,12 @@ class ConfigBuilder:
 
     def build(self) -> ServerConfig:
         values = dict(self.values)
-        if "data" not in values:
-            raise ConfigError("data: missing (give data=PATH)")
+        if "exports" in values:  # every image comes from its export file
+            if "data" in values:
+                raise ConfigError("exports: give data=PATH or exports=DIR, not both")
+            values["data"] = ""
+        elif "data" not in values:
+            raise ConfigError("data: missing (give data=PATH, or exports=DIR)")
         # hash and root-hash may come from sidecars beside the data (the Device finds them)
         values["root_hash"] = root_hash_text(values.get("root_hash"),
                                              values.pop("root_hash_file", None),

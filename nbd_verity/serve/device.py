@@ -34,6 +34,16 @@ from .verifier import Verifier, VerifyOptions
 
 
 @dataclass
+class Shared:
+    """What the exports of one many-export server share (serve/exports.py): one
+    verification pool and one threshold table; None for a server of one image."""
+
+    table: tuple[int, ...]
+    workers: int
+    pool: Callable  # () -> the server's ThreadPoolExecutor, made on first use
+
+
+@dataclass
 class Hooks:
     """nbdkit services, provided by the plugin (defaults outside nbdkit)."""
 
@@ -45,9 +55,11 @@ class Hooks:
 class Device:
     """One verified export: images, parameters, cache and verifier."""
 
-    def __init__(self, config: ServerConfig, hooks: Hooks | None = None) -> None:
+    def __init__(self, config: ServerConfig, hooks: Hooks | None = None,
+                 shared: Shared | None = None) -> None:
         self.config = config
         self.hooks = hooks or Hooks()
+        self.shared = shared
         self.ddi = open_ddi_of(config)  # a Discoverable Disk Image, or None
         if self.ddi is None:
             self.trust = trusted_root(config)
@@ -83,14 +95,17 @@ class Device:
         table = updated_table(preset(config.threshold_preset), self._explicit)
         self.calibration: Calibration | None = None  # start_threads measures `default`
         self.default_class = class_index(config.default_class, "default-class")
-        self.dispatcher = Dispatcher(self.verifier.read, self.geo.data_block_size, table,
-                                     config.workers)
+        self.dispatcher = (
+            Dispatcher(self.verifier.read, self.geo.data_block_size, table, config.workers)
+            if shared is None else
+            Dispatcher(self.verifier.read, self.geo.data_block_size, shared.table,
+                       shared.workers, shared_pool=shared.pool))
         # Readahead by default only where reads have latency of their own: for a local
         # file the kernel's page cache reads the hash image ahead already (benchmarks.md).
         self.readahead = (config.readahead if config.readahead is not None
                           else is_uri(config.data if self.ddi else self.hash_path))
         self.control = (ControlServer(config.control, Control(self))
-                        if config.control else None)
+                        if config.control and shared is None else None)
         self.fast_path = fastpath.enabled(self)  # per connection also: no readahead
         self.started = time.monotonic()
 
@@ -98,7 +113,7 @@ class Device:
         """Start the pool and the control thread (in nbdkit's after_fork); measure the
         `default` table first (calibrate.py), unless every class is set explicitly."""
         self.dispatcher.start()
-        if (self.config.threshold_preset == CALIBRATED
+        if self.shared is None and (self.config.threshold_preset == CALIBRATED
                 and len(self._explicit) < len(CLASSES)):
             self.calibration = calibrate(self.verifier.digester, self.geo.data_block_size,
                                          self.dispatcher.workers)

@@ -96,7 +96,7 @@ class Dispatcher:
     """Runs each read inline or across the pool, as the current table says."""
 
     def __init__(self, read_fn, block_size: int, table: tuple[int, ...],
-                 workers: int = 0) -> None:
+                 workers: int = 0, shared_pool=None) -> None:
         self._read = read_fn  # read_fn(buf, offset) verifies in place
         self.block_size = block_size
         self.table = table  # replaced whole, never mutated
@@ -104,19 +104,22 @@ class Dispatcher:
         self.chunk_size = max(block_size, POOL_CHUNK_SIZE - POOL_CHUNK_SIZE % block_size)
         self.stats = PathStats()
         self._pool: ThreadPoolExecutor | None = None
+        self._shared_pool = shared_pool  # a many-export server's: () -> its one pool
         self._start_lock = threading.Lock()
 
     def start(self) -> ThreadPoolExecutor:
-        """Create the pool (after nbdkit forked: threads do not survive a fork)."""
+        """Create the pool (after nbdkit forked: threads do not survive a fork), or take
+        the server's shared one."""
         with self._start_lock:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="verify")
+                self._pool = (self._shared_pool() if self._shared_pool is not None else
+                              ThreadPoolExecutor(self.workers, thread_name_prefix="verify"))
             return self._pool
 
     def stop(self) -> None:
-        if self._pool is not None:
+        if self._pool is not None and self._shared_pool is None:  # a shared one stays
             self._pool.shutdown(wait=True)
-            self._pool = None
+        self._pool = None
 
     def set_table(self, table: tuple[int, ...]) -> None:
         self.table = table  # one reference assignment: atomic for readers

@@ -40,13 +40,15 @@ from nbd_verity.serve.config import (
 
 API_VERSION = 2
 __all__ = ["API_VERSION", "after_fork", "block_size", "cache", "can_cache", "can_multi_conn",
-           "can_write", "cleanup", "close", "config", "config_complete", "get_ready", "get_size",
-           "is_rotational", "open", "pread", "thread_model"]
+           "can_write", "cleanup", "close", "config", "config_complete", "default_export",
+           "get_ready", "get_size", "is_rotational", "list_exports", "open", "pread",
+           "thread_model"]
 
 RESTART_GRACE_S = 0.5  # time for the failing request's reply before the process exits
 EXIT_RESTART = 75  # exit status after restart-on-corruption (EX_TEMPFAIL): supervisor restarts
 _builder = ConfigBuilder()
-_device = None
+_device = None  # the one image served, or
+_exports = None  # the exports of a directory (serve/exports.py)
 _restart_requested = threading.Event()
 _format_exception = traceback.format_exception
 _failed_reads = [0]  # requests answered with an error, for the log summary
@@ -145,9 +147,14 @@ def config_complete():
 
 
 def get_ready():
-    global _device
+    global _device, _exports
     hooks = device.Hooks(export_name=nbdkit.export_name, peer_pid=_peer_pid,
                          stopping=_stopping)
+    if _config.exports is not None:
+        from nbd_verity.serve.exports import ExportSet  # many images, one server
+        _exports = ExportSet(_config, hooks)
+        _exports.reload()  # a refused file is logged; the others serve
+        return
     _device = device.Device(_config, hooks)
     for warning in _device.trust.warnings:  # an expired signer, unreadable trusted certs
         log(f"warning: {warning}")
@@ -155,41 +162,63 @@ def get_ready():
 
 def after_fork():
     logbound.install(_config.log_rate, _log_totals)
-    _device.start_threads()
+    (_exports or _device).start_threads()
 
 
 def _log_totals():
     """(corruptions, failed reads) so far, for the log summary."""
-    return _device.verifier.counters.corruptions, _failed_reads[0]
+    corruptions = (_exports.corruptions() if _exports is not None
+                   else _device.verifier.counters.corruptions)
+    return corruptions, _failed_reads[0]
 
 
 def cleanup():
     logbound.uninstall()
-    if _device is not None:
-        _device.close()
+    server = _exports or _device
+    if server is not None:
+        server.close()
         if _restart_requested.is_set():
             _exit_for_restart()
+
+
+def list_exports(readonly, is_tls):
+    """NBD_OPT_LIST: every export with its description (one image: the default one)."""
+    if _exports is not None:
+        return _exports.list()
+    return [("", f"verified, {_device.size} bytes, root hash "
+                 f"{_device.trust.root_hex[:16]}...")]
+
+
+def default_export(readonly, is_tls):
+    return ""
 
 
 def open(readonly):
     problem = None
     try:
+        if _exports is not None:
+            return _exports.open(nbdkit.export_name())
         return device.Connection.open(_device)
-    except ConfigError as e:  # an unknown class in the export name
+    except ConfigError as e:  # an unknown class in the export name, or export
         problem = str(e)
-    _failures.fail(errno.EINVAL, problem)  # outside the except block: nothing kept
+        errnum = errno.ENOENT if _exports is not None and "not served" in problem \
+            else errno.EINVAL
+    _failures.fail(errnum, problem)  # outside the except block: nothing kept
 
 
 def close(h):
     threadstate.release()  # this thread's kept state, when requests ran on it (threadstate.py)
+    export = getattr(h, "export", None)
+    if export is not None:
+        _exports.closed(export)
 
 
 def get_size(h):
-    return _device.size
+    return h.device.size
 
 
 def block_size(h):
-    return (1, _device.geo.data_block_size, MAX_REQUEST_SIZE)
+    return (1, h.device.geo.data_block_size, MAX_REQUEST_SIZE)
 
 
 def can_write(h):
@@ -226,7 +255,7 @@ def _read(h, buf, offset):
     try:
         h.read(memoryview(buf), offset)
     except CorruptionError as e:
-        if _config.mode == RESTART_ON_CORRUPTION:
+        if h.device.config.mode == RESTART_ON_CORRUPTION:
             _restart()
         return errno.EIO, str(e)
     except ImageIOError as e:

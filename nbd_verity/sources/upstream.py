@@ -102,10 +102,12 @@ def start_upstream(url: str, directory: str, name: str,
     return f"nbd+unix:///?socket={sock}", server
 
 
-def attach(images: dict[str, str], options: UpstreamOptions) -> dict[str, str]:
+def attach(images: dict[str, str], options: UpstreamOptions,
+           started_servers: list | None = None) -> dict[str, str]:
     """Replace each remote URL in images (role -> location) by the URI of its captive
     upstream; local paths and NBD URIs pass through. One URL used twice (data and tree
-    in one object) gets one upstream. Stops what it started if one fails to start.
+    in one object) gets one upstream. Stops what it started if one fails to start; the
+    servers started are appended to started_servers (to stop them with the image).
     Each S3 object is read once first, so that a missing key or wrong credentials is one
     line, not a captive nbdkit that fails at its first connection."""
     remote = {role: text for role, text in images.items() if is_remote(text)}
@@ -128,4 +130,6 @@ def attach(images: dict[str, str], options: UpstreamOptions) -> dict[str, str]:
         for server in servers:
             server.stop()
         raise
+    if started_servers is not None:
+        started_servers.extend(servers)
     return {role: started.get(text, text) for role, text in images.items()}

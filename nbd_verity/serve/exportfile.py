@@ -1,0 +1,258 @@
+"""An export file, `/etc/nbd-verity/NAME.conf`: one verified image, as one `serve` names it.
+
+The one home of this format: `nbd-verity serve --export-file FILE` (what the template
+units run) and the many-export server (`serve --exports DIR`, every `NAME.conf` of DIR)
+both read it here. Its syntax is systemd's EnvironmentFile (the attach unit reads the same
+file with systemd's own parser): `KEY=value` lines, `#` and `;` comment lines, blank lines,
+a value in single or double quotes (backslash escapes inside double ones), a backslash at
+the end of a line continuing it. The keys:
+
+  DATA, HASH, ROOT_HASH   what `serve DATA [HASH [ROOT_HASH]]` takes (HASH and ROOT_HASH
+                          may be empty: found beside DATA, or a DDI's own)
+  ARGS                    more `serve` options, split on white space as systemd splits
+                          `$ARGS` (no quoting)
+  NBD_DEVICE, ATTACH_ARGS for nbd-verity-attach@NAME.service; not the server's
+
+ARGS are parsed by OPTIONS below, the table of the `serve` options an image may carry,
+spelled as `serve` spells them (tests check the table against the command): per-image
+options, and server-wide ones (thresholds, workers, ...), which only a file served alone
+may give, since a many-export server has one pool and one table for all.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+from dataclasses import dataclass, field
+
+from ..errors import ConfigError
+
+KEYS = ("DATA", "HASH", "ROOT_HASH", "ARGS", "NBD_DEVICE", "ATTACH_ARGS")
+MAX_EXPORT_FILE = 64 << 10  # bytes: a handful of lines
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,127}")  # an export name from a file name
+_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+@dataclass(frozen=True)
+class Option:
+    """One `serve` option an export file's ARGS may hold: its click parameter name and
+    the value a flag stands for (None: the option takes a value)."""
+
+    dest: str
+    flag_value: object = None
+    server: bool = False  # server-wide: refused in a many-export server's files
+    repeat: bool = False  # may be given several times (a list)
+
+
+OPTIONS = {
+    # the tree (veritysetup's spelling)
+    "--hash": Option("algorithm"), "--salt": Option("salt"),
+    "--data-block-size": Option("data_block_size"),
+    "--hash-block-size": Option("hash_block_size"),
+    "--data-blocks": Option("data_blocks"), "--hash-offset": Option("hash_offset"),
+    "--no-superblock": Option("no_superblock", True), "--format": Option("hash_type"),
+    # trust
+    "--root-hash-file": Option("root_hash_file"), "--partition": Option("partition"),
+    "--root-hash-signature": Option("root_hash_signature"),
+    "--trusted-certs": Option("trusted_certs"),
+    "--require-signatures": Option("require_signatures", True),
+    # FEC
+    "--fec-device": Option("fec_device"), "--fec-roots": Option("fec_roots"),
+    "--fec-offset": Option("fec_offset"),
+    # reading and verifying
+    "--ignore-corruption": Option("ignore_corruption", True),
+    "--restart-on-corruption": Option("restart_on_corruption", True, server=True),
+    "--ignore-zero-blocks": Option("ignore_zero_blocks", True),
+    "--check-at-most-once": Option("check_at_most_once", True),
+    "--cache-size": Option("cache_size"),
+    "--readahead": Option("readahead", True), "--no-readahead": Option("readahead", False),
+    "--source-timeout": Option("source_timeout"),
+    # remote images
+    "--upstream-cache": Option("upstream_cache", True),
+    "--upstream-cache-size": Option("upstream_cache_size"),
+    "--s3-endpoint": Option("s3_endpoint"), "--s3-profile": Option("s3_profile"),
+    "--s3-credentials": Option("s3_credentials"),
+    # the server's, one for all its images
+    "--threshold": Option("thresholds", server=True, repeat=True),
+    "--threshold-preset": Option("threshold_preset", server=True),
+    "--workers": Option("workers", server=True),
+    "--default-class": Option("default_class", server=True),
+    "--serialize": Option("serialize", True, server=True),
+    "--parallel": Option("serialize", False, server=True),
+    "--thread-model": Option("thread_model", server=True),
+    "--threads": Option("threads", server=True),
+    "--log-rate": Option("log_rate", server=True),
+}
+LISTEN_OPTIONS = ("--unix", "--port", "--bind", "--pid-file", "--exit-with-parent",
+                  "--control", "--verbose", "-v", "--exports", "--export-file")
+PATH_DESTS = {"root_hash_file", "root_hash_signature", "trusted_certs", "fec_device",
+              "s3_credentials"}
+INT_DESTS = {"data_block_size", "hash_block_size", "data_blocks", "hash_offset", "hash_type",
+             "fec_roots", "fec_offset", "workers", "threads", "log_rate"}
+
+
+@dataclass(frozen=True)
+class ExportFile:
+    """What one export file says."""
+
+    path: str
+    name: str
+    data: str
+    hash_image: str | None = None
+    root_hash: str | None = None
+    options: dict = field(default_factory=dict)  # serve's click parameter names -> values
+
+    def server_options(self) -> list[str]:
+        """The server-wide options given (as spelled), for a refusal."""
+        return [flag for flag, option in OPTIONS.items()
+                if option.server and option.dest in self.options
+                and (flag not in ("--serialize", "--parallel")
+                     or self.options[option.dest] == option.flag_value)]
+
+
+def export_name(path: str) -> str:
+    """The export a file NAME.conf serves: NAME, which must be a plain name."""
+    base = os.path.basename(path)
+    name = base.removesuffix(".conf")
+    if name == base or not NAME.fullmatch(name):
+        raise ConfigError(f"{path}: an export file is NAME.conf, NAME of letters, digits "
+                          f"and _.+- (at most 128, not starting with punctuation)")
+    return name
+
+
+def read_export_file(path: str) -> ExportFile:
+    """Read and check one export file; ConfigError in one line naming it otherwise."""
+    values = parse_environment(_read_text(path), path)
+    if not values.get("DATA"):
+        raise ConfigError(f"{path}: DATA: missing (the data image, a path or a URL)")
+    options = parse_args(values.get("ARGS", ""), f"{path}: ARGS")
+    base = os.path.dirname(os.path.abspath(path))
+    for dest in PATH_DESTS & set(options):
+        options[dest] = _beside(base, options[dest])
+    return ExportFile(path, export_name(path), _beside(base, values["DATA"]),
+                      _beside(base, values.get("HASH") or None),
+                      values.get("ROOT_HASH") or None, options)
+
+
+def _beside(base: str, location: str | None) -> str | None:
+    """A relative path in an export file is relative to the file's directory (a URL, an
+    absolute path, or nothing stays as it is)."""
+    if not location or "://" in location or os.path.isabs(location):
+        return location
+    return os.path.join(base, location)
+
+
+def _read_text(path: str) -> str:
+    """The file's text: a regular file (a FIFO is never opened), UTF-8, at most 64 KiB."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
+    except OSError as e:
+        raise ConfigError(f"{path}: {e.strerror}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ConfigError(f"{path}: not a regular file")
+        os.set_blocking(fd, True)
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            blob = f.read(MAX_EXPORT_FILE + 1)
+    except OSError as e:
+        raise ConfigError(f"{path}: {e.strerror}") from None
+    finally:
+        os.close(fd)
+    if len(blob) > MAX_EXPORT_FILE:
+        raise ConfigError(f"{path}: larger than {MAX_EXPORT_FILE} bytes")
+    try:
+        return blob.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not UTF-8 text") from None
+
+
+def parse_environment(text: str, path: str) -> dict[str, str]:
+    """KEY=value lines as systemd's EnvironmentFile reads them (see the module)."""
+    values: dict[str, str] = {}
+    lines = text.split("\n")
+    number = 0
+    while number < len(lines):
+        start = number + 1
+        line = lines[number].strip()
+        number += 1
+        while line.endswith("\\") and number < len(lines):  # a continued line
+            line = line[:-1] + lines[number].strip()
+            number += 1
+        if not line or line[0] in "#;":
+            continue
+        key, sep, value = line.partition("=")
+        key = key.strip()
+        if not sep or not _KEY.fullmatch(key):
+            raise ConfigError(f"{path}: line {start}: not KEY=value")
+        if key not in KEYS:
+            raise ConfigError(f"{path}: line {start}: unknown key {key} ({', '.join(KEYS)})")
+        values[key] = _unquote(value.strip(), path, start)
+    return values
+
+
+def _unquote(value: str, path: str, line: int) -> str:
+    if len(value) >= 2 and value[0] == value[-1] == "'":
+        return value[1:-1]
+    if len(value) >= 2 and value[0] == value[-1] == '"':
+        return re.sub(r'\\(["\\$`])', r"\1", value[1:-1])
+    if value and value[0] in "'\"":
+        raise ConfigError(f"{path}: line {line}: unterminated quote")
+    return value
+
+
+def parse_args(text: str, where: str) -> dict:
+    """ARGS as serve's options (click parameter names -> values), by OPTIONS."""
+    words = text.split()
+    options: dict = {}
+    i = 0
+    while i < len(words):
+        word = words[i]
+        flag, eq, inline = word.partition("=")
+        i += 1
+        if flag in LISTEN_OPTIONS:
+            raise ConfigError(f"{where}: {flag} is the server's own (give it to `nbd-verity "
+                              f"serve`, not in an export file)")
+        option = OPTIONS.get(flag)
+        if option is None:
+            raise ConfigError(f"{where}: {word!r} is not an option an export may give")
+        if option.flag_value is not None:
+            if eq:
+                raise ConfigError(f"{where}: {flag} takes no value")
+            options[option.dest] = option.flag_value
+            continue
+        if not eq:
+            if i >= len(words):
+                raise ConfigError(f"{where}: {flag} needs a value")
+            inline = words[i]
+            i += 1
+        value = _typed(option.dest, inline, where, flag)
+        if option.repeat:
+            options.setdefault(option.dest, []).append(value)
+        else:
+            options[option.dest] = value
+    return options
+
+
+def _typed(dest: str, text: str, where: str, flag: str):
+    if dest in INT_DESTS:
+        try:
+            return int(text)
+        except ValueError:
+            raise ConfigError(f"{where}: {flag}: {text!r} is not an integer") from None
+    if dest == "source_timeout":
+        try:
+            return float(text)
+        except ValueError:
+            raise ConfigError(f"{where}: {flag}: {text!r} is not a number") from None
+    return text
+
+
+def export_files(directory: str) -> list[str]:
+    """The export files of a directory (NAME.conf, sorted); hidden files are skipped."""
+    try:
+        names = os.listdir(directory)
+    except OSError as e:
+        raise ConfigError(f"exports: {directory}: {e.strerror}") from None
+    return sorted(os.path.join(directory, n) for n in names
+                  if n.endswith(".conf") and not n.startswith("."))
