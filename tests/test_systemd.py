@@ -26,7 +26,10 @@ import pytest
 from nbd_verity.launch import Launched
 
 UNITS = Path(__file__).resolve().parent.parent / "systemd"
-UNIT_FILES = ("nbd-verity@.service", "nbd-verity@.socket", "nbd-verity-attach@.service")
+UNIT_FILES = ("nbd-verity@.service", "nbd-verity@.socket", "nbd-verity-attach@.service",
+              "nbd-verity-exports.service", "nbd-verity-exports.socket",
+              "nbd-verity-exports-attach@.service")
+CONF_DIR = "/etc/nbd-verity"
 SHIPPED_BIN = "/usr/local/bin/nbd-verity"
 NBD_VERITY = Path(sys.executable).parent / "nbd-verity"
 BLOCK = 4096
@@ -53,9 +56,11 @@ def directive(name: str, key: str) -> list[str]:
 
 
 def test_units_name_the_installed_paths():
-    assert directive("nbd-verity@.service", "ExecStart")[0].startswith(f"{SHIPPED_BIN} serve ")
-    for key in ("ExecStart", "ExecStop"):
-        assert directive("nbd-verity-attach@.service", key)[0].startswith("/usr/sbin/nbd-client ")
+    for unit in ("nbd-verity@.service", "nbd-verity-exports.service"):
+        assert directive(unit, "ExecStart")[0].startswith(f"{SHIPPED_BIN} serve ")
+    for unit in ("nbd-verity-attach@.service", "nbd-verity-exports-attach@.service"):
+        for key in ("ExecStart", "ExecStop"):
+            assert directive(unit, key)[0].startswith("/usr/sbin/nbd-client ")
 
 
 def test_units_verify(systemd_tools, tmp_path: Path):
@@ -65,7 +70,9 @@ def test_units_verify(systemd_tools, tmp_path: Path):
         # Only the one path differs from what ships.
         assert copy.replace(str(NBD_VERITY), SHIPPED_BIN) == text
         (tmp_path / name).write_text(copy)
-    instances = [str(tmp_path / name.replace("@.", "@demo.")) for name in UNIT_FILES]
+    instances = [str(tmp_path / name.replace("@.", "@demo.")) for name in UNIT_FILES
+                 if "@" in name]
+    instances += [str(tmp_path / name) for name in UNIT_FILES if "@" not in name]
     out = subprocess.run(["systemd-analyze", "verify", "--man=no", *instances],
                          capture_output=True, text=True)
     # verify exits 0 on mere warnings (e.g. an unknown key): any output is a failure too.
@@ -128,6 +135,20 @@ def export(tmp_path: Path) -> dict[str, str]:
     return conf
 
 
+def write_conf(path: Path, conf: dict[str, str]) -> Path:
+    path.write_text("".join(f"{key}={value}\n" for key, value in conf.items()))
+    return path
+
+
+def unit_argv(unit: str, key: str, specifiers: dict, conf_dir: Path, env=None) -> list[str]:
+    """A unit's Exec line as systemd would run it, with this checkout's command and
+    conf_dir in place of /etc/nbd-verity."""
+    (line,) = directive(unit, key)
+    argv = expand_exec(line, env or {}, specifiers)
+    return [a.replace(SHIPPED_BIN, str(NBD_VERITY)).replace(CONF_DIR, str(conf_dir))
+            for a in argv]
+
+
 def test_socket_activated_service_serves(systemd_tools, export, tmp_path: Path):
     data = Path(export["DATA"])
     # Corrupt block 9 after formatting: the served image no longer matches its tree.
@@ -137,9 +158,10 @@ def test_socket_activated_service_serves(systemd_tools, export, tmp_path: Path):
     runtime = tmp_path / "run"
     (runtime / "nbd-verity" / "demo").mkdir(parents=True)  # the unit's RuntimeDirectory
     specifiers = {"i": "demo", "t": str(runtime), "%": "%"}
-    (exec_start,) = directive("nbd-verity@.service", "ExecStart")
-    argv = expand_exec(exec_start, export, specifiers)
-    argv[0] = argv[0].replace(SHIPPED_BIN, str(NBD_VERITY))
+    conf_dir = tmp_path / "etc"
+    conf_dir.mkdir()
+    write_conf(conf_dir / "demo.conf", export)  # serve reads it itself (--export-file)
+    argv = unit_argv("nbd-verity@.service", "ExecStart", specifiers, conf_dir)
     (listen,) = directive("nbd-verity@.socket", "ListenStream")
     sock = re.sub(r"%(.)", lambda m: specifiers[m.group(1)], listen)
     control = runtime / "nbd-verity" / "demo" / "ctl.sock"
@@ -163,3 +185,44 @@ def test_socket_activated_service_serves(systemd_tools, export, tmp_path: Path):
         status = subprocess.run([str(NBD_VERITY), "ctl", "--control", str(control), "status",
                                  "--json"], check=True, capture_output=True, text=True).stdout
         assert json.loads(status)["status"]["status"] == "C"
+
+
+def test_socket_activated_exports_service_serves_each_by_name(systemd_tools, tmp_path: Path):
+    """nbd-verity-exports.service as systemd runs it, on a directory of two export files;
+    its ExecReload adds a third; each reads back its own image by name."""
+    conf_dir = tmp_path / "etc"
+    conf_dir.mkdir()
+    images = {}
+    for n, name in enumerate(("alpha", "beta", "gamma")):
+        data = tmp_path / f"{name}.img"
+        data.write_bytes(random.Random(n).randbytes(64 * BLOCK))
+        root_file = tmp_path / f"{name}.root"
+        subprocess.run(["veritysetup", "format", str(data), str(tmp_path / f"{name}.hash"),
+                        f"--root-hash-file={root_file}"], check=True, capture_output=True)
+        images[name] = {"DATA": str(data), "HASH": str(tmp_path / f"{name}.hash"),
+                        "ROOT_HASH": root_file.read_text().strip()}
+    for name in ("alpha", "beta"):
+        write_conf(conf_dir / f"{name}.conf", images[name])
+    runtime = tmp_path / "run"
+    (runtime / "nbd-verity" / "exports").mkdir(parents=True)
+    specifiers = {"t": str(runtime), "%": "%"}
+    argv = unit_argv("nbd-verity-exports.service", "ExecStart", specifiers, conf_dir)
+    (listen,) = directive("nbd-verity-exports.socket", "ListenStream")
+    sock = re.sub(r"%(.)", lambda m: specifiers[m.group(1)], listen)
+    control = runtime / "nbd-verity" / "exports" / "ctl.sock"
+    server = Launched(["systemd-socket-activate", "-l", sock, "-E", "PATH", *argv],
+                      socket=sock, control=control, log_path=tmp_path / "server.log",
+                      env=os.environ)
+    with server.start(timeout=30):
+        write_conf(conf_dir / "gamma.conf", images["gamma"])
+        reload = unit_argv("nbd-verity-exports.service", "ExecReload", specifiers, conf_dir)
+        done = subprocess.run(reload, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0 and "gamma" in done.stdout, done
+        for name, image in images.items():
+            h = nbd.NBD()
+            h.set_export_name(name)
+            h.connect_unix(sock)
+            assert h.pread(64 * BLOCK, 0) == Path(image["DATA"]).read_bytes()
+            h.shutdown()
+        (attach,) = directive("nbd-verity-exports-attach@.service", "ExecStart")
+        assert " -N %i " in attach and "%t/nbd-verity/exports.sock" in attach
