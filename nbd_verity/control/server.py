@@ -217,7 +217,11 @@ def _bind_private(path: str) -> socket.socket:
         finally:
             probe.close()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    old_mask = os.umask(0o177)  # created 0600: no window where others could connect
+    # bind creates the file with mode 0777 & ~umask: 0600 from the start, so there is no
+    # window where others could connect, and no chmod after it, which would follow a
+    # symlink swapped in at path meanwhile. `serve` binds before it execs nbdkit, and
+    # nbdkit calls get_ready before it serves: no other thread creates files meanwhile.
+    old_mask = os.umask(0o177)
     try:
         sock.bind(path)
     except OSError as e:
@@ -225,6 +229,5 @@ def _bind_private(path: str) -> socket.socket:
         raise ConfigError(f"control: {path}: {e.strerror}") from None
     finally:
         os.umask(old_mask)
-    os.chmod(path, 0o600)
     sock.listen(128)
     return sock
