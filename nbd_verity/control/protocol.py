@@ -19,6 +19,7 @@ import contextlib
 import json
 import os
 import socket
+import struct
 import threading
 
 from ..errors import ConfigError, VerityError
@@ -35,10 +36,11 @@ def exchange(path: str | os.PathLike, payload: bytes, timeout: float = CLIENT_TI
     """Send payload on a fresh connection, half-close, and return the reply line (raw).
 
     The server may stop reading early (an overlong line): a send error is ignored and the
-    reply it wrote before closing is still read. OSError when the socket is unreachable."""
+    reply it wrote before closing is still read. OSError when the socket is unreachable,
+    TimeoutError when its backlog stays full or no reply comes for timeout seconds."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        _connect_waiting(sock, os.fspath(path), timeout)
         sock.settimeout(timeout)
-        sock.connect(os.fspath(path))
         with contextlib.suppress(OSError):  # EPIPE, ECONNRESET: it stopped reading
             sock.sendall(payload)
             sock.shutdown(socket.SHUT_WR)
@@ -52,6 +54,20 @@ def exchange(path: str | os.PathLike, payload: bytes, timeout: float = CLIENT_TI
                 break
             reply += chunk
     return reply
+
+
+def _connect_waiting(sock: socket.socket, path: str, timeout: float) -> None:
+    """Connect, waiting up to timeout seconds for room in a full listen backlog.
+
+    On a Unix socket a full backlog is not EINPROGRESS but EAGAIN, at once for a
+    non-blocking socket (which is what settimeout makes it). A blocking connect waits
+    for room instead, for as long as SO_SNDTIMEO allows, and then fails with EAGAIN."""
+    seconds, micros = divmod(max(round(timeout * 1e6), 1), 10**6)  # 0 would mean forever
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", seconds, micros))
+    try:
+        sock.connect(path)
+    except BlockingIOError:
+        raise TimeoutError(f"{path}: listen backlog still full after {timeout:g} s") from None
 
 
 def request(path: str | os.PathLike, message: dict, timeout: float = CLIENT_TIMEOUT) -> dict:
