@@ -9,6 +9,7 @@ start-up with one line); its thread starts in after_fork (threads die with a for
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import selectors
@@ -19,11 +20,15 @@ import threading
 import time
 
 from ..errors import ConfigError
+from ..log import log
 from .protocol import MAX_REQUEST_LINE, Control
 
 MAX_CLIENTS = 64  # connected at once; the longest idle one makes room for a new one
 MAX_PENDING_REPLY = 1 << 20  # bytes of replies a client may leave unread
 IDLE_TIMEOUT = 10.0  # seconds a client may stay silent before the server closes it
+ACCEPT_BACKOFF = 0.1  # seconds the listener rests when accept() fails and nothing can give
+ACCEPT_LOG_INTERVAL = 60.0  # seconds between two log lines about a failing accept()
+_OUT_OF_FDS = (errno.EMFILE, errno.ENFILE)
 
 
 class ControlServer:
@@ -33,9 +38,14 @@ class ControlServer:
     socket and buffers, so there is no per-client thread to run out of. A client that
     sends nothing for IDLE_TIMEOUT seconds is closed, and when MAX_CLIENTS are connected
     the longest idle one is closed to make room: a new client is always served, however
-    many idle ones sit on the socket. A line over MAX_REQUEST_LINE gets an error reply and the
-    connection is closed; so is a client that leaves MAX_PENDING_REPLY bytes of replies
-    unread. Requests are answered in order, each one completely before the next."""
+    many idle ones sit on the socket. When accept() fails for want of file descriptors
+    (EMFILE, ENFILE), the longest idle client is closed and accept() tried once more;
+    with no client to close, or on any other error but "nothing to accept", the listener
+    is left out of select for ACCEPT_BACKOFF seconds: it stays readable while the
+    connection waits, and polling it again at once would spin. A line over
+    MAX_REQUEST_LINE gets an error reply and the connection is closed; so is a client that
+    leaves MAX_PENDING_REPLY bytes of replies unread. Requests are answered in order, each
+    one completely before the next."""
 
     def __init__(self, path: str, control: Control) -> None:
         self.path = path
@@ -45,6 +55,8 @@ class ControlServer:
         self._wake_r, self._wake_w = socket.socketpair()
         self._stopping = False
         self._thread: threading.Thread | None = None
+        self._resume_accept = 0.0  # monotonic time; the listener rests until then
+        self._logged_accept = -ACCEPT_LOG_INTERVAL  # when accept() trouble was last logged
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="control", daemon=True)
@@ -71,7 +83,7 @@ class ControlServer:
         clients: dict[socket.socket, _Client] = {}
         try:
             while not self._stopping:
-                for key, events in selector.select(timeout=1.0):
+                for key, events in selector.select(timeout=self._select_timeout(selector)):
                     if key.fileobj is self.sock:
                         self._accept(selector, clients)
                     elif key.fileobj is not self._wake_r:
@@ -88,15 +100,33 @@ class ControlServer:
                 self._drop(selector, clients, client)
             selector.close()
 
+    def _select_timeout(self, selector) -> float:
+        """Put a resting listener back once its back-off is over; how long select may wait."""
+        if self._resume_accept:
+            rest = self._resume_accept - time.monotonic()
+            if rest > 0:
+                return min(rest, 1.0)
+            self._resume_accept = 0.0
+            selector.register(self.sock, selectors.EVENT_READ, None)
+        return 1.0
+
     def _accept(self, selector, clients: dict) -> None:
-        try:
-            conn, _ = self.sock.accept()
-        except OSError:
-            return  # nothing to accept after all, or closed at cleanup
+        """Take one connection; out of descriptors, close the longest idle client first."""
+        for attempt in (1, 2):
+            try:
+                conn, _ = self.sock.accept()
+                break
+            except (BlockingIOError, ConnectionAbortedError):
+                return  # nothing to accept after all, or the peer gave up: not readable
+            except OSError as e:
+                if attempt == 1 and e.errno in _OUT_OF_FDS and clients and not self._stopping:
+                    self._drop(selector, clients, _longest_idle(clients))
+                    continue
+                self._rest_listener(selector, e)
+                return
         conn.setblocking(False)
         if len(clients) >= MAX_CLIENTS:  # make room: the longest idle client goes
-            oldest = min(clients.values(), key=lambda c: c.last_active)
-            self._drop(selector, clients, oldest)
+            self._drop(selector, clients, _longest_idle(clients))
         client = _Client(conn)
         clients[conn] = client
         selector.register(conn, selectors.EVENT_READ, None)
@@ -105,6 +135,17 @@ class ControlServer:
             client.closing = True
             client.flush()
         self._settle(selector, clients, client)
+
+    def _rest_listener(self, selector, error: OSError) -> None:
+        """Stop polling the listener for ACCEPT_BACKOFF seconds (it stays readable)."""
+        self._resume_accept = time.monotonic() + ACCEPT_BACKOFF
+        with contextlib.suppress(KeyError, ValueError):
+            selector.unregister(self.sock)
+        now = time.monotonic()
+        if not self._stopping and now - self._logged_accept >= ACCEPT_LOG_INTERVAL:
+            self._logged_accept = now
+            log(f"control: accept: {error.strerror or error}; the listener rests "
+                f"{ACCEPT_BACKOFF * 1000:.0f} ms at a time")
 
     def _service(self, client: _Client, events: int) -> None:
         """Read what the client sent and answer each complete line; write pending replies."""
@@ -191,6 +232,10 @@ class _Client:
             return
         self.out = self.out[sent:]
         self.last_active = time.monotonic()
+
+
+def _longest_idle(clients: dict) -> _Client:
+    return min(clients.values(), key=lambda c: c.last_active)
 
 
 def _peer_allowed(conn: socket.socket) -> bool:

@@ -8,23 +8,56 @@ only one with work while these tests run, and bounds are far from what a spin co
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from nbd_verity.control.protocol import request
 
-from .harness import run
+from .harness import ctl, run
 
 BACKLOG = 128  # the listen() backlog of the control socket (control/server.py)
+FEW_FDS = ("bash", "-c", 'ulimit -n 48; exec "$@"', "bash")  # then exec nbd-verity serve
+HELD = 60  # control connections held open: more than 48 descriptors allow
+SPIN_WINDOW_S = 3.0
+SPIN_BOUND_S = 0.5  # CPU seconds in that window; a spinning control thread takes ~3
 
 
 def listen_queue(path) -> int:
     """Connections waiting in the backlog of the listening Unix socket at path (ss Recv-Q)."""
     fields = run(["ss", "-xlnH", "src", str(path)]).stdout.split()
     return int(fields[2]) if fields else 0
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process so far (all its threads), from /proc/PID/stat."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_over(pid: int, seconds: float) -> float:
+    before = cpu_seconds(pid)
+    time.sleep(seconds)
+    return cpu_seconds(pid) - before
+
+
+def connected(path) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(str(path))
+    return sock
+
+
+def closed_by_server(sock: socket.socket) -> bool:
+    sock.settimeout(10)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
 
 
 def until(condition, timeout: float = 30.0, what: str = "condition") -> None:
@@ -62,3 +95,41 @@ def test_a_full_backlog_makes_clients_wait_not_fail(servers, image):
     assert all(reply.get("ok") is True for reply in replies)
     with server.client() as h:
         assert h.pread(4096, 0) == image.expected(0, 4096)
+
+
+def test_out_of_descriptors_evicts_an_idle_client_and_never_spins(servers, image):
+    """Under `ulimit -n 48`, 60 idle control connections: accept() fails with EMFILE
+    once the descriptors are gone. The server closes the longest idle client to take the
+    next one, so it uses little CPU, a new `ctl stats` is answered, and NBD reads go on."""
+    server = servers.start(image, wrapper=FEW_FDS)
+    with server.client() as h, contextlib.ExitStack() as stack:
+        held = [stack.enter_context(connected(server.control)) for _ in range(HELD)]
+        assert h.pread(4096, 0) == image.expected(0, 4096)
+        cpu_s = cpu_over(server.pid, SPIN_WINDOW_S)
+        assert cpu_s < SPIN_BOUND_S, f"{cpu_s:.2f} s of CPU in {SPIN_WINDOW_S:g} s"
+        result = ctl(server.control, "stats", "--json")
+        assert result.returncode == 0, result.stderr
+        assert closed_by_server(held[0])  # the longest idle one made room
+        assert h.pread(65536, 1 << 20) == image.expected(1 << 20, 65536)
+    with server.client() as h:  # the held ones are gone: a new NBD connection gets in
+        assert h.pread(4096, 8192) == image.expected(8192, 4096)
+
+
+def test_out_of_descriptors_with_no_client_to_evict_the_listener_rests(servers, image):
+    """NBD connections take every descriptor under `ulimit -n 48`, so there is no control
+    client to close: the listener rests between tries instead of spinning, says so once in
+    the log, and answers once NBD clients leave."""
+    server = servers.start(image, wrapper=FEW_FDS)
+    with contextlib.ExitStack() as stack:
+        while len(os.listdir(f"/proc/{server.pid}/fd")) < 48:
+            h = stack.enter_context(server.client())
+            assert h.pread(4096, 0) == image.expected(0, 4096)
+        waiting = [stack.enter_context(connected(server.control)) for _ in range(5)]
+        cpu_s = cpu_over(server.pid, SPIN_WINDOW_S)
+        assert cpu_s < SPIN_BOUND_S, f"{cpu_s:.2f} s of CPU in {SPIN_WINDOW_S:g} s"
+        assert h.pread(65536, 1 << 20) == image.expected(1 << 20, 65536)
+        for sock in waiting:
+            sock.close()
+    result = ctl(server.control, "stats", "--json")
+    assert result.returncode == 0, result.stderr
+    assert server.log().count("control: accept: Too many open files") == 1, server.log()
