@@ -8,6 +8,7 @@ start-up with one line); its thread starts in after_fork (threads die with a for
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import json
@@ -26,9 +27,13 @@ from .protocol import MAX_REQUEST_LINE, Control
 MAX_CLIENTS = 64  # connected at once; the longest idle one makes room for a new one
 MAX_PENDING_REPLY = 1 << 20  # bytes of replies a client may leave unread
 IDLE_TIMEOUT = 10.0  # seconds a client may stay silent before the server closes it
+MAX_LINES_PER_TURN = 16  # lines of one client answered before the others get their turn
+RATE_PER_S = 100  # requests a client may make per second, on average...
+RATE_BURST = 100  # ...and at once; beyond that each request gets RATE_REFUSAL
 ACCEPT_BACKOFF = 0.1  # seconds the listener rests when accept() fails and nothing can give
 ACCEPT_LOG_INTERVAL = 60.0  # seconds between two log lines about a failing accept()
 _OUT_OF_FDS = (errno.EMFILE, errno.ENFILE)
+RATE_ERROR = f"rate: too many requests (at most {RATE_PER_S} per second per connection)"
 
 
 class ControlServer:
@@ -45,7 +50,11 @@ class ControlServer:
     connection waits, and polling it again at once would spin. A line over
     MAX_REQUEST_LINE gets an error reply and the connection is closed; so is a client that
     leaves MAX_PENDING_REPLY bytes of replies unread. Requests are answered in order, each
-    one completely before the next."""
+    one completely before the next, MAX_LINES_PER_TURN of one client at a time (then the
+    others have their turn), and a client's next chunk is read only once every line of the
+    last one is answered. Beyond RATE_BURST requests at once and RATE_PER_S per second a
+    request is refused with RATE_ERROR, which costs next to nothing: a write full of
+    requests cannot hold the control thread, and the GIL, from the NBD threads."""
 
     def __init__(self, path: str, control: Control) -> None:
         self.path = path
@@ -83,7 +92,9 @@ class ControlServer:
         clients: dict[socket.socket, _Client] = {}
         try:
             while not self._stopping:
-                for key, events in selector.select(timeout=self._select_timeout(selector)):
+                queued = [c for c in clients.values() if c.lines]  # their turn comes again
+                timeout = 0.0 if queued else self._select_timeout(selector)
+                for key, events in selector.select(timeout=timeout):
                     if key.fileobj is self.sock:
                         self._accept(selector, clients)
                     elif key.fileobj is not self._wake_r:
@@ -91,6 +102,13 @@ class ControlServer:
                         if client is not None:
                             self._service(client, events)
                             self._settle(selector, clients, client)
+                            client.served = True
+                for client in queued:
+                    if not client.served and client.conn in clients:
+                        self._service(client, 0)
+                        self._settle(selector, clients, client)
+                for client in clients.values():
+                    client.served = False
                 now = time.monotonic()
                 for client in [c for c in clients.values()
                                if now - c.last_active > IDLE_TIMEOUT]:
@@ -148,8 +166,10 @@ class ControlServer:
                 f"{ACCEPT_BACKOFF * 1000:.0f} ms at a time")
 
     def _service(self, client: _Client, events: int) -> None:
-        """Read what the client sent and answer each complete line; write pending replies."""
-        if events & selectors.EVENT_READ and not (client.closing or client.eof):
+        """Read what the client sent, once its earlier lines are all answered; answer a
+        turn's worth of lines; write pending replies."""
+        if events & selectors.EVENT_READ and not (client.lines or client.closing
+                                                  or client.eof):
             try:
                 data = client.conn.recv(65536)
             except BlockingIOError:
@@ -158,27 +178,22 @@ class ControlServer:
                 client.broken = True
                 return
             if data == b"":
-                client.eof = True
+                client.end_of_input()
             elif data:
                 client.last_active = time.monotonic()
-                client.pending += data
-            for line in client.take_lines():
-                if line is None:
-                    client.reply({"ok": False,
-                                  "error": f"line longer than {MAX_REQUEST_LINE} bytes"})
-                    client.closing = True
-                    break
-                client.reply(self.control.handle_line(line))
+                client.feed(data)
+        if client.lines:
+            client.answer(self.control)
         client.flush()
 
     def _settle(self, selector, clients: dict, client: _Client) -> None:
         """Close a client that is done; otherwise wait for what it needs next."""
-        done = (client.closing or client.eof) and not client.out
+        done = (client.closing or client.eof) and not (client.out or client.lines)
         if done or client.broken or len(client.out) > MAX_PENDING_REPLY:
             self._drop(selector, clients, client)
             return
         events = selectors.EVENT_WRITE if client.out else 0
-        if not (client.closing or client.eof):
+        if not (client.lines or client.closing or client.eof):  # no reading ahead
             events |= selectors.EVENT_READ
         selector.modify(client.conn, events, None)
 
@@ -191,34 +206,76 @@ class ControlServer:
 
 
 class _Client:
-    """One control connection: what it sent that is not a full line yet, and what we owe."""
+    """One control connection: its lines not answered yet, the unfinished one, what we owe.
+
+    Each chunk received is split once (the tail without a newline waits for the next);
+    replies of a turn are joined once. Both were quadratic in the input before: the buffer
+    split again per line, the replies grown by concatenation."""
 
     def __init__(self, conn: socket.socket) -> None:
         self.conn = conn
-        self.pending = b""
-        self.out = b""
-        self.eof = self.closing = self.broken = False
-        self.last_active = time.monotonic()
+        self.partial = bytearray()  # the unfinished last line
+        self.lines: collections.deque[bytes | None] = collections.deque()  # None: overlong
+        self.out = bytearray()  # bytearray: dropping what was sent does not copy the rest
+        self.eof = self.closing = self.broken = self.served = False
+        self.last_active = self.refilled = time.monotonic()
+        self.tokens = float(RATE_BURST)
 
-    def take_lines(self):
-        """Complete request lines (without newline); None for an overlong one. At EOF an
-        unterminated last line counts too."""
-        while b"\n" in self.pending:
-            line, self.pending = self.pending.split(b"\n", 1)
-            if len(line) > MAX_REQUEST_LINE:
-                yield None
-                return
-            if line.strip():
-                yield line
-        if len(self.pending) > MAX_REQUEST_LINE:
-            yield None
-            return
-        if self.eof and self.pending.strip():
-            line, self.pending = self.pending, b""
-            yield line
+    def feed(self, data: bytes) -> None:
+        """Queue the complete lines in data (blank ones dropped); keep the unfinished tail."""
+        cut = data.rfind(b"\n")
+        if cut >= 0:
+            head = bytes(self.partial) + data[:cut] if self.partial else data[:cut]
+            self.partial = bytearray(data[cut + 1:])
+            for line in head.split(b"\n"):
+                if len(line) > MAX_REQUEST_LINE:
+                    self._overlong()
+                    return
+                if line.strip():
+                    self.lines.append(line)
+        else:
+            self.partial += data
+        if len(self.partial) > MAX_REQUEST_LINE:
+            self._overlong()
+
+    def end_of_input(self) -> None:
+        """The peer half-closed: an unterminated last line counts too."""
+        self.eof = True
+        if self.partial.strip():
+            self.lines.append(bytes(self.partial))
+        self.partial.clear()
+
+    def _overlong(self) -> None:
+        self.lines.append(None)  # answered in order, after the lines before it
+        self.partial.clear()
+        self.closing = True  # nothing more is read
+
+    def answer(self, control: Control) -> None:
+        """Answer up to MAX_LINES_PER_TURN queued lines, each within the rate or refused."""
+        replies = []
+        for _ in range(min(len(self.lines), MAX_LINES_PER_TURN)):
+            line = self.lines.popleft()
+            if line is None:
+                replies.append(_encoded({"ok": False, "error":
+                                         f"line longer than {MAX_REQUEST_LINE} bytes"}))
+                self.lines.clear()
+                break
+            replies.append(_encoded(control.handle_line(line)) if self._within_rate()
+                           else _RATE_REFUSAL)
+        self.out += b"".join(replies)
+
+    def _within_rate(self) -> bool:
+        """A token bucket: RATE_BURST at once, refilled at RATE_PER_S."""
+        now = time.monotonic()
+        self.tokens = min(RATE_BURST, self.tokens + (now - self.refilled) * RATE_PER_S)
+        self.refilled = now
+        if self.tokens < 1:
+            return False
+        self.tokens -= 1
+        return True
 
     def reply(self, message: dict) -> None:
-        self.out += json.dumps(message, separators=(",", ":")).encode() + b"\n"
+        self.out += _encoded(message)
 
     def flush(self) -> None:
         if not self.out:
@@ -230,8 +287,15 @@ class _Client:
         except OSError:
             self.broken = True
             return
-        self.out = self.out[sent:]
+        del self.out[:sent]
         self.last_active = time.monotonic()
+
+
+def _encoded(message: dict) -> bytes:
+    return json.dumps(message, separators=(",", ":")).encode() + b"\n"
+
+
+_RATE_REFUSAL = _encoded({"ok": False, "error": RATE_ERROR})
 
 
 def _longest_idle(clients: dict) -> _Client:

@@ -9,6 +9,7 @@ only one with work while these tests run, and bounds are far from what a spin co
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -18,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from nbd_verity.control.protocol import request
+from nbd_verity.control.server import RATE_BURST, RATE_ERROR, RATE_PER_S
 
 from .harness import ctl, run
 
@@ -26,6 +28,8 @@ FEW_FDS = ("bash", "-c", 'ulimit -n 48; exec "$@"', "bash")  # then exec nbd-ver
 HELD = 60  # control connections held open: more than 48 descriptors allow
 SPIN_WINDOW_S = 3.0
 SPIN_BOUND_S = 0.5  # CPU seconds in that window; a spinning control thread takes ~3
+FLOOD = b'{"cmd":"stats"}\n' * ((64 << 10) // 16)  # 4096 requests in one 64 KiB write
+FLOOD_CPU_BOUND_S = 0.3  # answering every line in full took 0.7-2 s before the caps
 
 
 def listen_queue(path) -> int:
@@ -133,3 +137,32 @@ def test_out_of_descriptors_with_no_client_to_evict_the_listener_rests(servers, 
     result = ctl(server.control, "stats", "--json")
     assert result.returncode == 0, result.stderr
     assert server.log().count("control: accept: Too many open files") == 1, server.log()
+
+
+def test_a_flood_in_one_write_costs_little_and_follows_the_rate(servers, image):
+    """4096 `stats` in one 64 KiB write: each line gets a reply, in order; the first
+    RATE_BURST are answered, the others refused with RATE_ERROR but for the few the rate
+    refills meanwhile. The server spends little CPU on it, and an NBD read issued meanwhile
+    completes promptly."""
+    server = servers.start(image)
+    with server.client() as h, connected(server.control) as sock:
+        assert h.pread(4096, 0) == image.expected(0, 4096)
+        before = cpu_seconds(server.pid)
+        started = time.monotonic()
+        sock.sendall(FLOOD)
+        sock.shutdown(socket.SHUT_WR)
+        assert h.pread(4096, 1 << 20) == image.expected(1 << 20, 4096)
+        read_s = time.monotonic() - started
+        sock.settimeout(30)
+        replies = sock.makefile("rb").read().splitlines()
+        elapsed_s = time.monotonic() - started
+        cpu_s = cpu_seconds(server.pid) - before
+    assert cpu_s < FLOOD_CPU_BOUND_S, f"{cpu_s:.2f} s of CPU for one flood"
+    assert read_s < 1.0, f"an NBD read took {read_s:.3f} s during the flood"
+    answers = [json.loads(line) for line in replies]
+    assert len(answers) == FLOOD.count(b"\n")
+    assert all(a["ok"] and "stats" in a for a in answers[:RATE_BURST])
+    refused = [a for a in answers if not a["ok"]]
+    assert all(a == {"ok": False, "error": RATE_ERROR} for a in refused)
+    answered = len(answers) - len(refused)
+    assert RATE_BURST <= answered <= RATE_BURST + RATE_PER_S * elapsed_s + 1
