@@ -29,7 +29,7 @@ MAX_PENDING_REPLY = 1 << 20  # bytes of replies a client may leave unread
 IDLE_TIMEOUT = 10.0  # seconds a client may stay silent before the server closes it
 MAX_LINES_PER_TURN = 16  # lines of one client answered before the others get their turn
 RATE_PER_S = 100  # requests a client may make per second, on average...
-RATE_BURST = 100  # ...and at once; beyond that each request gets RATE_REFUSAL
+RATE_BURST = 100  # ...and at once; beyond that each request is refused with RATE_ERROR
 ACCEPT_BACKOFF = 0.1  # seconds the listener rests when accept() fails and nothing can give
 ACCEPT_LOG_INTERVAL = 60.0  # seconds between two log lines about a failing accept()
 _OUT_OF_FDS = (errno.EMFILE, errno.ENFILE)
@@ -92,9 +92,10 @@ class ControlServer:
         clients: dict[socket.socket, _Client] = {}
         try:
             while not self._stopping:
+                timeout = self._select_timeout(selector)
                 queued = [c for c in clients.values() if c.lines]  # their turn comes again
-                timeout = 0.0 if queued else self._select_timeout(selector)
-                for key, events in selector.select(timeout=timeout):
+                served = set()
+                for key, events in selector.select(timeout=0.0 if queued else timeout):
                     if key.fileobj is self.sock:
                         self._accept(selector, clients)
                     elif key.fileobj is not self._wake_r:
@@ -102,13 +103,11 @@ class ControlServer:
                         if client is not None:
                             self._service(client, events)
                             self._settle(selector, clients, client)
-                            client.served = True
+                            served.add(client)
                 for client in queued:
-                    if not client.served and client.conn in clients:
+                    if client not in served and client.conn in clients:
                         self._service(client, 0)
                         self._settle(selector, clients, client)
-                for client in clients.values():
-                    client.served = False
                 now = time.monotonic()
                 for client in [c for c in clients.values()
                                if now - c.last_active > IDLE_TIMEOUT]:
@@ -217,7 +216,7 @@ class _Client:
         self.partial = bytearray()  # the unfinished last line
         self.lines: collections.deque[bytes | None] = collections.deque()  # None: overlong
         self.out = bytearray()  # bytearray: dropping what was sent does not copy the rest
-        self.eof = self.closing = self.broken = self.served = False
+        self.eof = self.closing = self.broken = False
         self.last_active = self.refilled = time.monotonic()
         self.tokens = float(RATE_BURST)
 
