@@ -9,12 +9,8 @@ Requests (`cmd` names the command; docs/control.md has examples):
 Every reply has "ok"; failures are {"ok": false, "error": "..."} and change nothing.
 
 The client half (`request`, `exchange`) is what `nbd-verity ctl`, tune, the launcher and
-the tests use; it imports nothing of the server side.
-
-Only root and the server's own user may talk to it: the socket is created 0600 and each
-peer's uid is checked with SO_PEERCRED. A stale socket file is replaced only after a
-connect to it is refused. The listening socket is bound in get_ready (errors stop
-start-up with one line); its threads start in after_fork (threads die with a fork).
+the tests use; it imports nothing of the server side. `Control` answers one request line
+against a Device; control/server.py owns the socket that carries the lines.
 """
 
 from __future__ import annotations
@@ -22,20 +18,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import selectors
 import socket
-import stat
 import struct
 import threading
-import time
 
 from ..errors import ConfigError, VerityError
 
 MAX_REQUEST_LINE = 64 << 10  # bytes of one request line
 MAX_DEPTH = 16  # JSON nesting of a request (requests need 2)
-MAX_CLIENTS = 64  # connected at once; the longest idle one makes room for a new one
-MAX_PENDING_REPLY = 1 << 20  # bytes of replies a client may leave unread
-IDLE_TIMEOUT = 10.0  # seconds a client may stay silent before the server closes it
 CLIENT_TIMEOUT = 10.0  # seconds a client waits for the server's reply
 
 
@@ -46,10 +36,11 @@ def exchange(path: str | os.PathLike, payload: bytes, timeout: float = CLIENT_TI
     """Send payload on a fresh connection, half-close, and return the reply line (raw).
 
     The server may stop reading early (an overlong line): a send error is ignored and the
-    reply it wrote before closing is still read. OSError when the socket is unreachable."""
+    reply it wrote before closing is still read. OSError when the socket is unreachable,
+    TimeoutError when its backlog stays full or no reply comes for timeout seconds."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        _connect_waiting(sock, os.fspath(path), timeout)
         sock.settimeout(timeout)
-        sock.connect(os.fspath(path))
         with contextlib.suppress(OSError):  # EPIPE, ECONNRESET: it stopped reading
             sock.sendall(payload)
             sock.shutdown(socket.SHUT_WR)
@@ -63,6 +54,20 @@ def exchange(path: str | os.PathLike, payload: bytes, timeout: float = CLIENT_TI
                 break
             reply += chunk
     return reply
+
+
+def _connect_waiting(sock: socket.socket, path: str, timeout: float) -> None:
+    """Connect, waiting up to timeout seconds for room in a full listen backlog.
+
+    On a Unix socket a full backlog is not EINPROGRESS but EAGAIN, at once for a
+    non-blocking socket (which is what settimeout makes it). A blocking connect waits
+    for room instead, for as long as SO_SNDTIMEO allows, and then fails with EAGAIN."""
+    seconds, micros = divmod(max(round(timeout * 1e6), 1), 10**6)  # 0 would mean forever
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", seconds, micros))
+    try:
+        sock.connect(path)
+    except BlockingIOError:
+        raise TimeoutError(f"{path}: listen backlog still full after {timeout:g} s") from None
 
 
 def request(path: str | os.PathLike, message: dict, timeout: float = CLIENT_TIMEOUT) -> dict:
@@ -95,7 +100,7 @@ def checked_request(path: str | os.PathLike, message: dict,
     return reply
 
 
-# -- the server -----------------------------------------------------------------------
+# -- the requests ---------------------------------------------------------------------
 
 
 _FIELDS = {  # the fields each command accepts
@@ -209,207 +214,3 @@ class Control:
 
     def _status(self, request: dict) -> dict:
         return {"status": self.device.status()}
-
-
-class ControlServer:
-    """A Unix socket serving Control to local peers of the right uid.
-
-    One thread multiplexes every client (selectors): nothing is held per client but its
-    socket and buffers, so there is no per-client thread to run out of. A client that
-    sends nothing for IDLE_TIMEOUT seconds is closed, and when MAX_CLIENTS are connected
-    the longest idle one is closed to make room: a new client is always served, however
-    many idle ones sit on the socket. A line over MAX_REQUEST_LINE gets an error reply and the
-    connection is closed; so is a client that leaves MAX_PENDING_REPLY bytes of replies
-    unread. Requests are answered in order, each one completely before the next."""
-
-    def __init__(self, path: str, control: Control) -> None:
-        self.path = path
-        self.control = control
-        self.sock = _bind_private(path)
-        self.sock.setblocking(False)
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._stopping = False
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="control", daemon=True)
-        self._thread.start()
-
-    def close(self) -> None:
-        self._stopping = True
-        with contextlib.suppress(OSError):
-            self._wake_w.send(b"x")
-        if self._thread is not None:
-            self._thread.join(2.0)
-        try:
-            self.sock.close()
-        finally:
-            self._wake_r.close()
-            self._wake_w.close()
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path)
-
-    def _loop(self) -> None:
-        selector = selectors.DefaultSelector()
-        selector.register(self.sock, selectors.EVENT_READ, None)
-        selector.register(self._wake_r, selectors.EVENT_READ, None)
-        clients: dict[socket.socket, _Client] = {}
-        try:
-            while not self._stopping:
-                for key, events in selector.select(timeout=1.0):
-                    if key.fileobj is self.sock:
-                        self._accept(selector, clients)
-                    elif key.fileobj is not self._wake_r:
-                        client = clients.get(key.fileobj)
-                        if client is not None:
-                            self._service(client, events)
-                            self._settle(selector, clients, client)
-                now = time.monotonic()
-                for client in [c for c in clients.values()
-                               if now - c.last_active > IDLE_TIMEOUT]:
-                    self._drop(selector, clients, client)
-        finally:
-            for client in list(clients.values()):
-                self._drop(selector, clients, client)
-            selector.close()
-
-    def _accept(self, selector, clients: dict) -> None:
-        try:
-            conn, _ = self.sock.accept()
-        except OSError:
-            return  # nothing to accept after all, or closed at cleanup
-        conn.setblocking(False)
-        if len(clients) >= MAX_CLIENTS:  # make room: the longest idle client goes
-            oldest = min(clients.values(), key=lambda c: c.last_active)
-            self._drop(selector, clients, oldest)
-        client = _Client(conn)
-        clients[conn] = client
-        selector.register(conn, selectors.EVENT_READ, None)
-        if not _peer_allowed(conn):
-            client.reply({"ok": False, "error": "permission denied: uid not allowed"})
-            client.closing = True
-            client.flush()
-        self._settle(selector, clients, client)
-
-    def _service(self, client: _Client, events: int) -> None:
-        """Read what the client sent and answer each complete line; write pending replies."""
-        if events & selectors.EVENT_READ and not (client.closing or client.eof):
-            try:
-                data = client.conn.recv(65536)
-            except BlockingIOError:
-                data = None
-            except OSError:
-                client.broken = True
-                return
-            if data == b"":
-                client.eof = True
-            elif data:
-                client.last_active = time.monotonic()
-                client.pending += data
-            for line in client.take_lines():
-                if line is None:
-                    client.reply({"ok": False,
-                                  "error": f"line longer than {MAX_REQUEST_LINE} bytes"})
-                    client.closing = True
-                    break
-                client.reply(self.control.handle_line(line))
-        client.flush()
-
-    def _settle(self, selector, clients: dict, client: _Client) -> None:
-        """Close a client that is done; otherwise wait for what it needs next."""
-        done = (client.closing or client.eof) and not client.out
-        if done or client.broken or len(client.out) > MAX_PENDING_REPLY:
-            self._drop(selector, clients, client)
-            return
-        events = selectors.EVENT_WRITE if client.out else 0
-        if not (client.closing or client.eof):
-            events |= selectors.EVENT_READ
-        selector.modify(client.conn, events, None)
-
-    @staticmethod
-    def _drop(selector, clients: dict, client: _Client) -> None:
-        clients.pop(client.conn, None)
-        with contextlib.suppress(KeyError, ValueError):
-            selector.unregister(client.conn)
-        client.conn.close()
-
-
-class _Client:
-    """One control connection: what it sent that is not a full line yet, and what we owe."""
-
-    def __init__(self, conn: socket.socket) -> None:
-        self.conn = conn
-        self.pending = b""
-        self.out = b""
-        self.eof = self.closing = self.broken = False
-        self.last_active = time.monotonic()
-
-    def take_lines(self):
-        """Complete request lines (without newline); None for an overlong one. At EOF an
-        unterminated last line counts too."""
-        while b"\n" in self.pending:
-            line, self.pending = self.pending.split(b"\n", 1)
-            if len(line) > MAX_REQUEST_LINE:
-                yield None
-                return
-            if line.strip():
-                yield line
-        if len(self.pending) > MAX_REQUEST_LINE:
-            yield None
-            return
-        if self.eof and self.pending.strip():
-            line, self.pending = self.pending, b""
-            yield line
-
-    def reply(self, message: dict) -> None:
-        self.out += json.dumps(message, separators=(",", ":")).encode() + b"\n"
-
-    def flush(self) -> None:
-        if not self.out:
-            return
-        try:
-            sent = self.conn.send(self.out)
-        except BlockingIOError:
-            return
-        except OSError:
-            self.broken = True
-            return
-        self.out = self.out[sent:]
-        self.last_active = time.monotonic()
-
-
-def _peer_allowed(conn: socket.socket) -> bool:
-    """SO_PEERCRED: root or the server's own uid."""
-    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    _pid, uid, _gid = struct.unpack("3i", creds)
-    return uid in (0, os.getuid())
-
-
-def _bind_private(path: str) -> socket.socket:
-    """Bind a 0600 Unix socket at path, replacing a stale one only if nobody answers."""
-    if os.path.lexists(path):
-        if not stat.S_ISSOCK(os.lstat(path).st_mode):
-            raise ConfigError(f"control: {path} exists and is not a socket")
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            probe.connect(path)
-        except ConnectionRefusedError:
-            os.unlink(path)  # stale: nobody is listening
-        except OSError as e:
-            raise ConfigError(f"control: {path}: {e.strerror}") from None
-        else:
-            raise ConfigError(f"control: {path} is in use by a running server")
-        finally:
-            probe.close()
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    old_mask = os.umask(0o177)  # created 0600: no window where others could connect
-    try:
-        sock.bind(path)
-    except OSError as e:
-        sock.close()
-        raise ConfigError(f"control: {path}: {e.strerror}") from None
-    finally:
-        os.umask(old_mask)
-    os.chmod(path, 0o600)
-    sock.listen(128)
-    return sock

@@ -13,7 +13,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..control.protocol import Control, ControlServer
+from ..control.protocol import Control
+from ..control.server import ControlServer
 from ..control.table import CALIBRATED, CLASSES, class_index, preset, table_dict, updated_table
 from ..errors import ConfigError, CorruptionError, ImageIOError
 from ..format.areas import check_layout

@@ -106,15 +106,18 @@ class Server(Launched):
     """One `nbd-verity serve` on a Unix socket, with a control socket and a pid file."""
 
     def __init__(self, image: Image, directory: Path, name: str, *options: str,
-                 control: Path | None = None) -> None:
+                 control: Path | None = None, wrapper: tuple[str, ...] = (),
+                 env: dict | None = None) -> None:
+        """wrapper goes before the command (it must exec it: the pid stays the server's);
+        env is added to the clean environment."""
         self.image = image
         control = control or directory / f"{name}.ctl"
         sock, pid_file = directory / f"{name}.sock", directory / f"{name}.pid"
-        super().__init__([NBD_VERITY, "serve", str(image.data), str(image.hash), image.root,
-                          "--unix", str(sock), "--control", str(control),
+        super().__init__([*wrapper, NBD_VERITY, "serve", str(image.data), str(image.hash),
+                          image.root, "--unix", str(sock), "--control", str(control),
                           "--pid-file", str(pid_file), "--exit-with-parent", *options],
                          socket=sock, pid_file=pid_file, control=control,
-                         log_path=directory / f"{name}.log", env=clean_env())
+                         log_path=directory / f"{name}.log", env={**clean_env(), **(env or {})})
         self.start(ready=False)
 
     def wait_ready(self, timeout: float = START_TIMEOUT) -> Server:
@@ -153,9 +156,10 @@ class Servers:
         self.started: list[Server] = []
 
     def start(self, image: Image, *options: str, control: Path | None = None,
-              ready: bool = True) -> Server:
+              ready: bool = True, wrapper: tuple[str, ...] = (),
+              env: dict | None = None) -> Server:
         server = Server(image, self.directory, f"s{len(self.started)}", *options,
-                        control=control)
+                        control=control, wrapper=wrapper, env=env)
         self.started.append(server)
         return server.wait_ready() if ready else server
 

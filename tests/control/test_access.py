@@ -69,6 +69,35 @@ def test_control_socket_is_0600_and_ours(servers, image):
     assert info.st_uid == os.getuid()
 
 
+# Loaded by every Python of the server (`nbd-verity serve`, then nbdkit's embedded one) from
+# PYTHONPATH: an audit hook that writes down each bind and each chmod, changing nothing.
+WATCH_CHMOD = textwrap.dedent("""
+    import os, sys
+    def _watch(event, args):
+        if event in ("os.chmod", "socket.bind"):
+            with open(os.environ["NVT_AUDIT_LOG"], "a") as f:
+                f.write(f"{event} {args[1] if event == 'socket.bind' else args[0]}\\n")
+    sys.addaudithook(_watch)
+""")
+
+
+def test_no_chmod_follows_the_bind(servers, image, tmp_path):
+    """The socket's mode comes from the umask around bind alone: a chmod by path after bind
+    would follow a symlink swapped in meanwhile. The umask is the caller's again after."""
+    (tmp_path / "sitecustomize.py").write_text(WATCH_CHMOD)
+    audit = tmp_path / "audit.log"
+    server = servers.start(image, env={"PYTHONPATH": str(tmp_path),
+                                       "NVT_AUDIT_LOG": str(audit)})
+    events = audit.read_text().splitlines()
+    assert f"socket.bind {server.control}" in events, events  # the hook did watch the bind
+    assert not [e for e in events if e.startswith("os.chmod")], events
+    assert stat.S_IMODE(os.lstat(server.control).st_mode) == 0o600
+    umask = os.umask(0)
+    os.umask(umask)
+    with open(f"/proc/{server.pid}/status") as f:
+        assert f"Umask:\t{umask:04o}\n" in f.read()
+
+
 def test_another_user_cannot_connect(servers, image):
     server = servers.start(image)
     before = server.thresholds()

@@ -9,7 +9,7 @@ import socket
 import threading
 import time
 
-from nbd_verity.control.protocol import IDLE_TIMEOUT, MAX_CLIENTS
+from nbd_verity.control.server import IDLE_TIMEOUT, MAX_CLIENTS
 
 from .harness import ctl, exchange, one_error_line
 
