@@ -98,7 +98,7 @@ class ExportSet:
         self.control = None
         if config.control:
             from ..control.exports import ExportsControl
-            from ..control.protocol import ControlServer
+            from ..control.server import ControlServer
             self.control = ControlServer(config.control, ExportsControl(self))
 
     # -- what the plugin calls -------------------------------------------------------
