@@ -94,7 +94,7 @@ def test_the_table_agrees_with_serve():
 def test_export_names():
     assert export_name("/etc/nbd-verity/root-a.conf") == "root-a"
     for bad in ("/e/.conf", "/e/x.txt", "/e/-x.conf", "/e/a b.conf"):
-        with pytest.raises(ConfigError, match="an export file is NAME.conf"):
+        with pytest.raises(ConfigError, match=r"an export file is NAME\.conf"):
             export_name(bad)
 
 
