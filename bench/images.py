@@ -52,7 +52,11 @@ def _format(data: Path, hash_path: Path, root_file: Path) -> str:
 
 def random_image(size: int) -> Image:
     """size bytes from os.urandom and their tree (made once, then reused)."""
-    name = f"random-{size >> 20}m"
+    return random_image_named(f"random-{size >> 20}m", size)
+
+
+def random_image_named(name: str, size: int) -> Image:
+    """A random image of its own name (benches that need many distinct ones)."""
     data, hash_path, root_file, done = _paths(name)
     if not done.exists():
         with open(data, "wb") as f:
