@@ -43,7 +43,7 @@ bench: setup
 	$(PY) bench/side.py 3 5 native   # the read-path targets side by side (docs/benchmarks.md)
 	$(PY) bench/threads.py 3 5   # the fast path under each thread model: the three ratios
 	$(PY) bench/profile4k.py 3 5   # a 4 KiB request's CPU, part by part (perf)
-	cd bench && $(PY) exports.py 3   # many exports from one server against one per image
+	$(PY) bench/exports.py 3   # many exports from one server against one per image
 
 e2e: setup
 	$(PY) -m pytest tests/e2e tests/test_systemd.py
