@@ -119,9 +119,10 @@ class Export:
 class Server:
     """How to start one NBD server in the foreground on a Unix socket.
 
-    kind "nbd-verity" is the server under test; "nbdkit-file" serves the data image
-    unverified through nbdkit's C file plugin, as a baseline. extra_args go to the command
-    as they are (e.g. ("--control", path)).
+    kind "nbd-verity" is the server under test; "nbd-verity-exports" the same serving a
+    directory of export files (export.data is the directory); "nbdkit-file" serves the
+    data image unverified through nbdkit's C file plugin, as a baseline. extra_args go to
+    the command as they are (e.g. ("--control", path)).
     """
 
     export: Export
@@ -136,11 +137,16 @@ class Server:
                       if self.export.hash is not None else [str(self.export.data)])
             return [str(NBD_VERITY), "serve", *images, "--unix", str(socket),
                     "--pid-file", str(pid_file), "--exit-with-parent", *self.extra_args]
+        if self.kind == "nbd-verity-exports":
+            return [str(NBD_VERITY), "serve", "--exports", str(self.export.data), "--unix",
+                    str(socket), "--pid-file", str(pid_file), "--exit-with-parent",
+                    *self.extra_args]
         if self.kind == "nbdkit-file":
             return ["nbdkit", "--exit-with-parent", "-f", "-r", "-U", str(socket),
                     "--pidfile", str(pid_file), *self.extra_args,
                     "file", str(self.export.data)]
-        raise ValueError(f"server kind: {self.kind!r} is not nbd-verity or nbdkit-file")
+        raise ValueError(f"server kind: {self.kind!r} is not nbd-verity, nbd-verity-exports "
+                         f"or nbdkit-file")
 
 
 def server_socket(work: Path, port: int) -> Path:

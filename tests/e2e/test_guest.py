@@ -222,3 +222,41 @@ def server_status(control: Path) -> str:
     out = subprocess.run([str(NBD_VERITY), "ctl", "--control", str(control), "status", "--json"],
                          check=True, capture_output=True, text=True).stdout
     return json.loads(out)["status"]["status"]
+
+
+def test_two_exports_of_one_server_by_name_equal_the_kernels_verity(images: Images,
+                                                                    tmp_path: Path):
+    """`serve --exports`: /dev/nbd0 and /dev/nbd1 attached by name (nbd-client -N) to one
+    server, each byte for byte what the guest kernel's dm-verity gives of its image, and a
+    corrupted block of the second failing on both sides while the first stays whole."""
+    other = random_file(tmp_path / "other.img", 16 * 1024 * 1024, seed=7)
+    second = verity_format(other, tmp_path / "other.hash")
+    bad_block = 1000
+    damaged = corrupt_copy(other, tmp_path / "other-corrupt.img", [bad_block])
+    directory = tmp_path / "exports"
+    directory.mkdir()
+    for name, export, data in (("first", images.export, images.export.data),
+                               ("second", second, damaged)):
+        (directory / f"{name}.conf").write_text(
+            f"DATA={data}\nHASH={export.hash}\nROOT_HASH={export.root_hash}\n")
+    script = f"""
+nbd_attach nbd0 {PORT} first
+nbd_attach nbd1 {PORT} second
+dm0=$(verity_open vfirst vda vdb {images.export.root_hash})
+dm1=$(verity_open vsecond vdc vdd {second.root_hash})
+dev_sha256 nbd0 nbd0.sha256
+dev_sha256 "$dm0" dm0.sha256
+block_scan nbd1 nbd1.failing
+block_scan "$dm1" dm1.failing
+verity_close vsecond
+verity_close vfirst
+nbd_detach nbd1
+nbd_detach nbd0
+"""
+    server = Server(Export(data=directory, hash=None, root_hash=""), "nbd-verity-exports")
+    disks = [images.export.data, images.export.hash, damaged, second.hash]
+    with guest_run(script, disks, {PORT: server}, tmp_path / "run") as run:
+        assert run.read("nbd0.sha256") == images.sha256
+        assert run.read("dm0.sha256") == images.sha256
+        assert failing_blocks(run, "nbd1.failing") == [bad_block]
+        assert failing_blocks(run, "dm1.failing") == [bad_block]
