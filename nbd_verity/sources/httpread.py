@@ -23,6 +23,7 @@ import errno
 import http.client
 import pathlib
 import ssl
+import traceback
 import urllib.parse
 
 import nbdkit
@@ -42,11 +43,29 @@ class HttpError(Exception):
     """A request that failed; the message names the URL redacted."""
 
 
+_format_exception = traceback.format_exception
+
+
+def _one_line(exc, value=None, tb=None, **kwargs):
+    """nbdkit prints a callback's exception with traceback.format_exception: ours as
+    its one-line message (as serve/plugin.py does), anything else in full."""
+    error = value if value is not None else exc
+    if isinstance(error, HttpError):
+        return [str(error)]
+    return _format_exception(exc, value, tb, **kwargs)
+
+
+traceback.format_exception = _one_line
+
+
 def config(key, value):
     global _url
     if key != "url-file":
         raise HttpError(f"unknown parameter: {key}")
-    _url = pathlib.Path(value).read_text(encoding="utf-8").strip()  # (open is a callback)
+    try:
+        _url = pathlib.Path(value).read_text(encoding="utf-8").strip()  # (open: a callback)
+    except OSError as e:
+        raise HttpError(f"url-file: {value}: {e.strerror}") from None
     if urllib.parse.urlsplit(_url).scheme not in ("http", "https"):
         raise HttpError(f"url-file: {redact(_url)}: not an http(s) URL")
 
