@@ -4,7 +4,9 @@ The options become the plugin's key=value pairs through config.KEYS (config.plug
 the one table of plugin keys; the listening options become nbdkit's own. DATA and HASH
 are paths, NBD URIs, or http(s):// and s3:// URLs, for which captive upstream nbdkits are
 started first (upstream.attach). For an http(s) or s3 DATA without HASH or ROOT_HASH, the
-sidecars beside the URL are looked up first (trust.remote_sidecar; sources.s3).
+sidecars beside the URL are looked up first (trust.remote_sidecar; sources.s3). Every
+message of it names URLs without their user part's password or their query
+(upstream.redacting).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import click
 
 from ..serve.config import IGNORE_CORRUPTION, PARALLEL, RESTART_ON_CORRUPTION, THREAD_MODELS
+from ..sources.upstream import redacting
 from .common import ddi_arguments, edge, fec_options, image_arguments, s3_options
 
 
@@ -62,6 +65,7 @@ from .common import ddi_arguments, edge, fec_options, image_arguments, s3_option
               help="Bound of that cache (nbdkit's cache-max-size, e.g. 1G).")
 @s3_options
 @edge
+@redacting()  # inside edge: the one line it prints names no URL's secret
 def serve_cmd(ignore_corruption, restart_on_corruption, unix, port, bind, threads, pid_file,
               exit_with_parent, verbose, upstream_cache, upstream_cache_size,
               s3_endpoint, s3_profile, s3_credentials, **options) -> None:
@@ -102,6 +106,7 @@ def _remote_sidecars(options: dict, s3) -> None:
     from ..errors import ConfigError
     from ..format.gpt import HEAD_SIZE, starts_with_gpt
     from ..sources.s3 import check_object, is_s3, sidecar_reader
+    from ..sources.upstream import redact
     from ..trust.remote_sidecar import discover, has_remote_sidecars, http_head, write_private
     from ..trust.sidecar import auxiliary_path
     root_given = options["root_hash"] is not None or options["root_hash_file"] is not None
@@ -119,14 +124,14 @@ def _remote_sidecars(options: dict, s3) -> None:
             options["partition"] = "auto"  # a DDI: the plugin reads its GPT
             return
         raise ConfigError(f"hash: missing (give the hash image, or put "
-                          f"{auxiliary_path(data, '.verity')} beside the image)")
+                          f"{redact(auxiliary_path(data, '.verity'))} beside the image)")
     if not root_given and found.root_hash is None:
         raise ConfigError(f"root-hash: missing (give a root hash or a root-hash-file, or put "
-                          f"{auxiliary_path(data, '.roothash')} beside the image)")
+                          f"{redact(auxiliary_path(data, '.roothash'))} beside the image)")
     if found.hash_image is not None:
         options["hash_image"] = found.hash_image
     if found.root_hash is not None:
         options["root_hash"] = found.root_hash
     if found.signature is not None:  # checked by the plugin as a local file would be
         options["root_hash_signature"] = write_private(found.signature,
-                                                       found.found[-1])
+                                                       redact(found.found[-1]))
