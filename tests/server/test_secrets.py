@@ -231,3 +231,18 @@ def test_refusals_name_urls_redacted(web, image, sockdir, monkeypatch, hash_give
 ])
 def test_redact(url_text, shown):
     assert redact(url_text) == shown
+
+
+@pytest.mark.parametrize("web", ["password", "both"], indirect=True)
+def test_wrong_password_is_refused_redacted(web, image, sockdir, monkeypatch):
+    """A 401 (curl at the first connection, or httpread.py at its start) names the URL
+    without the password that was refused."""
+    monkeypatch.setenv("RUNTIME_DIRECTORY", sockdir)
+    wrong = f"no-{secrets.token_hex(8)}"
+    args = [web.secret_url(name).replace(PASSWORD, wrong) for name in ("data.img", "hash.img")]
+    result = run_refusal([str(NBD_VERITY), "serve", *args, image.root,
+                          "--unix", os.path.join(sockdir, "refused.sock")])
+    assert result.returncode != 0, result
+    assert "401" in result.stderr, result.stderr
+    for secret in (wrong, PASSWORD, TOKEN):
+        assert secret not in result.stderr, result.stderr
