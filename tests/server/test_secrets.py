@@ -21,6 +21,7 @@ import secrets
 import shutil
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -28,7 +29,15 @@ import pytest
 from nbd_verity.sources.upstream import redact, write_secret
 
 from . import test_s3_sources
-from .serverlib import MIB, NBD_VERITY, Server, make_image, random_bytes, run_refusal
+from .serverlib import (
+    MIB,
+    NBD_VERITY,
+    Server,
+    make_image,
+    random_bytes,
+    reads_across_an_outage,
+    run_refusal,
+)
 from .upstreams import GuardedLighttpd
 
 # The S3 suite's fixtures, by name: moto checking signatures, the signed image.
@@ -191,6 +200,25 @@ def test_s3_keys_on_no_command_line(authenticating_store, traced, s3_image, sock
     hidden = [key["SecretAccessKey"], key["AccessKeyId"]]
     assert_no_secret_in_tree(server, sockdir, hidden)
     assert_no_secret_in_execve(server.trace, hidden, started=3)
+
+
+@pytest.mark.parametrize("web", ["both"], indirect=True)
+def test_presigned_url_across_a_server_restart(web, servers, image, sockdir, monkeypatch):
+    """httpread.py (the captive of a URL with a query) rides out a restart of the server
+    as curl does: each read is EIO or correct, and reads go on afterwards."""
+    monkeypatch.setenv("RUNTIME_DIRECTORY", sockdir)
+    server = servers.serve_cli([web.secret_url("data.img"), web.secret_url("hash.img"),
+                                image.root, "--cache-size", "4K"])
+    h = server.connect()
+    expected = image.expected()
+
+    def outage():
+        web.stop()
+        time.sleep(0.5)  # the outage itself
+        web.start()
+
+    print(f"reads across the restart: {reads_across_an_outage(h, expected, outage, CHUNK)}")
+    assert read_all(h, image.size) == expected
 
 
 def test_secret_file_is_private(tmp_path):
