@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from nbd_verity.sources.upstream import redact, write_secret
+from nbd_verity.sources.upstream import plugin_args, redact, secret_of, write_secret
 
 from . import test_s3_sources
 from .serverlib import (
@@ -274,3 +274,20 @@ def test_wrong_password_is_refused_redacted(web, image, sockdir, monkeypatch):
     assert "401" in result.stderr, result.stderr
     for secret in (wrong, PASSWORD, TOKEN):
         assert secret not in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize(("url_text", "args", "secret"), [
+    ("http://u%40x:p%3Aw@h:8/d.img",
+     ["curl", "url=http://h:8/d.img", "protocols=http,https", "user=u@x", "password=+F"],
+     "p:w"),
+    ("https://u@h/d.img", ["curl", "url=https://h/d.img", "protocols=http,https", "user=u"],
+     None),
+    ("https://h/d.img#part", ["curl", "url=https://h/d.img", "protocols=http,https"], None),
+    ("https://u:p@h/d.img?X-Amz-Signature=s", ["python", "HTTPREAD", "url-file=F"],
+     "https://u:p@h/d.img?X-Amz-Signature=s"),
+])
+def test_plugin_args_hold_no_secret(url_text, args, secret):
+    """The captive's plugin keys for each kind of http(s) URL, and what goes in FILE."""
+    got = plugin_args(url_text, secret_file="F")
+    assert [a if not a.endswith("httpread.py") else "HTTPREAD" for a in got] == args
+    assert secret_of(url_text) == secret
