@@ -261,6 +261,21 @@ def test_redact(url_text, shown):
     assert redact(url_text) == shown
 
 
+@pytest.mark.parametrize(("data", "line"), [
+    (f"s3://AKIAEXAMPLE:{PASSWORD}@images/disk.raw",
+     "nbd-verity: s3://***@images/disk.raw: an S3 URL holds no credentials (give them in "
+     "the environment or --s3-credentials)"),
+    (f"s3://images/disk.raw?X-Amz-Signature={TOKEN}",
+     "nbd-verity: s3://images/disk.raw?***: an S3 URL is s3://BUCKET/KEY"),
+])
+def test_s3_url_with_secrets_is_refused_redacted(sockdir, data, line):
+    """Credentials in an s3:// URL would be the S3 plugin's bucket= (its command line):
+    refused before anything starts, in one line that does not repeat them."""
+    result = run_refusal([str(NBD_VERITY), "serve", data, "s3://images/disk.verity",
+                          "00" * 32, "--unix", os.path.join(sockdir, "refused.sock")])
+    assert result.returncode == 2 and result.stderr.strip() == line, result
+
+
 @pytest.mark.parametrize("web", ["password", "both"], indirect=True)
 def test_wrong_password_is_refused_redacted(web, image, sockdir, monkeypatch):
     """A 401 (curl at the first connection, or httpread.py at its start) names the URL
