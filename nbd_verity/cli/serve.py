@@ -4,7 +4,8 @@ The options become the plugin's key=value pairs through config.KEYS (config.plug
 the one table of plugin keys; the listening options become nbdkit's own. DATA and HASH
 are paths, NBD URIs, or http(s):// and s3:// URLs, for which captive upstream nbdkits are
 started first (upstream.attach). For an http(s) or s3 DATA without HASH or ROOT_HASH, the
-sidecars beside the URL are looked up first (trust.remote_sidecar; sources.s3).
+sidecars beside the URL are looked up first (serve/image.py). Every message of it names
+URLs without their user part's password or their query (upstream.redacting).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import click
 
 from ..serve.config import PARALLEL, THREAD_MODELS
+from ..sources.upstream import redacting
 from .common import edge, fec_options, image_arguments, s3_options
 
 
@@ -72,6 +74,7 @@ from .common import edge, fec_options, image_arguments, s3_options
                    "template units do; give no DATA then.")
 @s3_options
 @edge
+@redacting()  # inside edge: the one line it prints names no URL's secret
 def serve_cmd(unix, port, bind, threads, pid_file, exit_with_parent, verbose, exports_dir,
               export_file, **options) -> None:
     """Serve DATA over NBD, verifying every byte against HASH and ROOT_HASH (or the

@@ -60,6 +60,7 @@ def remote_sidecars(options: dict, s3) -> None:
     URL.roothash.p7s when DATA is an http(s) or s3 URL and HASH or ROOT_HASH is missing."""
     from ..format.gpt import HEAD_SIZE, starts_with_gpt
     from ..sources.s3 import check_object, is_s3, sidecar_reader
+    from ..sources.upstream import redact
     from ..trust.remote_sidecar import discover, has_remote_sidecars, http_head, write_private
     from ..trust.sidecar import auxiliary_path
     root_given = options.get("root_hash") is not None or \
@@ -78,13 +79,14 @@ def remote_sidecars(options: dict, s3) -> None:
             options["partition"] = "auto"  # a DDI: the plugin reads its GPT
             return
         raise ConfigError(f"hash: missing (give the hash image, or put "
-                          f"{auxiliary_path(data, '.verity')} beside the image)")
+                          f"{redact(auxiliary_path(data, '.verity'))} beside the image)")
     if not root_given and found.root_hash is None:
         raise ConfigError(f"root-hash: missing (give a root hash or a root-hash-file, or put "
-                          f"{auxiliary_path(data, '.roothash')} beside the image)")
+                          f"{redact(auxiliary_path(data, '.roothash'))} beside the image)")
     if found.hash_image is not None:
         options["hash_image"] = found.hash_image
     if found.root_hash is not None:
         options["root_hash"] = found.root_hash
     if found.signature is not None:  # checked by the plugin as a local file would be
-        options["root_hash_signature"] = write_private(found.signature, found.found[-1])
+        options["root_hash_signature"] = write_private(found.signature,
+                                                       redact(found.found[-1]))

@@ -67,11 +67,16 @@ def is_s3(text: str) -> bool:
 
 
 def split_url(url: str) -> tuple[str, str]:
-    """(bucket, key) of s3://BUCKET/KEY."""
+    """(bucket, key) of s3://BUCKET/KEY; a user part is refused (credentials in a URL
+    would reach the S3 plugin's bucket= on its command line)."""
+    from .upstream import redact  # (upstream imports this module)
     parts = urllib.parse.urlsplit(url)
     bucket, key = parts.netloc, parts.path.lstrip("/")
+    if "@" in bucket:
+        raise ConfigError(f"{redact(url)}: an S3 URL holds no credentials (give them in "
+                          f"the environment or --s3-credentials)")
     if parts.scheme != "s3" or not bucket or not key or parts.query or parts.fragment:
-        raise ConfigError(f"{url}: an S3 URL is s3://BUCKET/KEY")
+        raise ConfigError(f"{redact(url)}: an S3 URL is s3://BUCKET/KEY")
     return bucket, key
 
 

@@ -16,19 +16,41 @@ so the upstreams stop when the verifying nbdkit stops, whatever stops it. The so
 live in a private 0700 directory (tempfile.mkdtemp) under $RUNTIME_DIRECTORY (systemd's
 RuntimeDirectory=, removed with the unit) or $TMPDIR; nbdkit removes its socket and pid
 file when it exits, the empty directory stays behind outside systemd.
+
+Secrets never go on a command line (/proc/PID/cmdline is readable by every user): a
+captive's argv holds the URL without its user part's password and without its query.
+- `http://user:password@host/path`: curl gets `url=http://host/path`, `user=user` (a name,
+  not a secret) and `password=+FILE`;
+- a URL with a query (a presigned URL's token or signature): nbdkit 1.32 reads no plugin
+  key but a password from a file, so such a URL is read by our own small plugin,
+  httpread.py, which takes the whole URL as `url-file=FILE`;
+- s3:// credentials come from the environment or a credentials file (s3.py).
+FILE is 0600 in the private directory; both plugins read it once, at config time, so it
+is removed as soon as the upstream is ready (or has failed to start). Every message
+names URLs through redact(): no password and no query.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import subprocess
 import tempfile
 import urllib.parse
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from ..errors import VerityError
 from ..launch import NBDKIT, START_TIMEOUT, Launched
 from . import s3
-from .remote import REMOTE_SCHEMES
+from .remote import REMOTE_SCHEMES, URI_SCHEMES
+
+HTTPREAD = Path(__file__).resolve().parent / "httpread.py"  # for URLs with a query
+HIDDEN = "***"  # what messages show for a user part or a query
+# Any URL in a message: up to white space or a quote, and not the punctuation after it
+# ("URL: reason", "[URL]").
+URL_IN_TEXT = re.compile(r"\b(?:https?|s3|nbds?(?:\+unix)?)://[^\s'\"<>]*[^\s'\"<>:,;.)\]]")
 
 # The retry filter's budget: 3 retries after 1, 2 and 4 s (7 s in all) keeps a request
 # under the Linux nbd client's 30 s default timeout, yet rides out a server restart.
@@ -49,16 +71,77 @@ def is_remote(text: str) -> bool:
     return urllib.parse.urlsplit(text).scheme in REMOTE_SCHEMES
 
 
-def plugin_args(url: str, options: UpstreamOptions | None = None) -> list[str]:
-    """nbdkit's plugin and its keys for one URL."""
+def redact(url: str) -> str:
+    """URL for messages: its user part and (but for an NBD URI's socket= and tls- keys,
+    file names) its query shown as ***; a local path as it is."""
+    parts = urllib.parse.urlsplit(url)
+    if "://" not in url or not parts.scheme:
+        return url
+    host = parts.netloc.rpartition("@")[2]
+    netloc = f"{HIDDEN}@{host}" if "@" in parts.netloc else host
+    query = parts.query if parts.scheme in URI_SCHEMES or not parts.query else HIDDEN
+    return f"{parts.scheme}://{netloc}{parts.path}" + (f"?{query}" if query else "")
+
+
+def redact_text(text: str) -> str:
+    """TEXT with every URL in it redacted (a message built from others' messages)."""
+    return URL_IN_TEXT.sub(lambda m: redact(m.group(0)), text)
+
+
+@contextlib.contextmanager
+def redacting():
+    """Redact the URLs in the message of any VerityError raised inside: the CLI's last
+    guard, for messages made below us (a sidecar's parser, boto3) from a URL."""
+    try:
+        yield
+    except VerityError as e:
+        e.args = tuple(redact_text(a) if isinstance(a, str) else a for a in e.args)
+        raise
+
+
+def secret_of(url: str) -> str | None:
+    """What of an http(s) URL must not go on a command line, to be written in the
+    upstream's secret file: the whole URL when it has a query (httpread.py reads it),
+    else the password of its user part (curl's password=+FILE), else None."""
+    parts = urllib.parse.urlsplit(url)
+    if s3.is_s3(url):
+        return None
+    if parts.query:
+        return url
+    return None if parts.password is None else urllib.parse.unquote(parts.password)
+
+
+def plugin_args(url: str, options: UpstreamOptions | None = None,
+                secret_file: str | None = None) -> list[str]:
+    """nbdkit's plugin and its keys for one URL; what secret_of(url) gives goes only
+    in secret_file, named here (see the module docstring)."""
     if s3.is_s3(url):
         return s3.plugin_args(url, (options or UpstreamOptions()).s3)
+    parts = urllib.parse.urlsplit(url)
+    if secret_of(url) is not None and secret_file is None:
+        raise ValueError(f"{redact(url)}: its secret needs a file")
+    if parts.query:
+        return ["python", str(HTTPREAD), f"url-file={secret_file}"]
+    host = parts.netloc.rpartition("@")[2]
     # protocols= keeps a redirect from leaving HTTP(S) (file://, for one)
-    return ["curl", f"url={url}", "protocols=http,https"]
+    args = ["curl", f"url={urllib.parse.urlunsplit((parts.scheme, host, parts.path, '', ''))}",
+            "protocols=http,https"]
+    if parts.username is not None:
+        args.append(f"user={urllib.parse.unquote(parts.username)}")
+    if parts.password is not None:
+        args.append(f"password=+{secret_file}")
+    return args
+
+
+def write_secret(path: str, text: str) -> None:
+    """TEXT in a new file only its owner can read (the private directory is 0700 too)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
 
 
 def upstream_argv(url: str, socket_path: str, pid_file: str,
-                  options: UpstreamOptions) -> list[str]:
+                  options: UpstreamOptions, secret_file: str | None = None) -> list[str]:
     """The captive nbdkit for one URL: read-only, foreground, dies with its parent."""
     argv = [NBDKIT, "-f", "-r", "--exit-with-parent", "-U", socket_path, "-P", pid_file,
             "--filter=multi-conn"]
@@ -72,7 +155,7 @@ def upstream_argv(url: str, socket_path: str, pid_file: str,
         if options.cache_size:
             keys.append(f"cache-max-size={options.cache_size}")
     argv.append("--filter=retry")
-    return [*argv, *plugin_args(url, options), *keys]
+    return [*argv, *plugin_args(url, options, secret_file), *keys]
 
 
 def private_directory() -> str:
@@ -86,19 +169,29 @@ def start_upstream(url: str, directory: str, name: str,
     """Start one captive upstream and wait until it listens: (its URI, the process).
 
     Its stderr is ours (the terminal or the journal), so curl's errors are seen; its
-    environment is ours too, with the S3 profile and credentials file set (s3.py)."""
-    sock, pid_file = os.path.join(directory, f"{name}.sock"), os.path.join(directory,
-                                                                           f"{name}.pid")
-    server = Launched(upstream_argv(url, sock, pid_file, options), socket=sock,
-                      pid_file=pid_file, env=options.s3.environment(),
-                      name=f"upstream for {name} ({url})")
-    server.proc = subprocess.Popen(server.argv, stdin=subprocess.DEVNULL,
-                                   stdout=subprocess.DEVNULL, env=server.env)
+    environment is ours too, with the S3 profile and credentials file set (s3.py). Its
+    secret file, if any, is removed once it is ready or has failed: it was read at
+    config time."""
+    path = os.path.join(directory, name)
+    sock, pid_file, secret_file = f"{path}.sock", f"{path}.pid", None
+    secret = secret_of(url)
+    if secret is not None:
+        secret_file = f"{path}.secret"
+        write_secret(secret_file, secret)
+    server = Launched(upstream_argv(url, sock, pid_file, options, secret_file),
+                      socket=sock, pid_file=pid_file, env=options.s3.environment(),
+                      name=f"upstream for {name} ({redact(url)})")
     try:
-        server.wait_ready(START_TIMEOUT)
-    except BaseException:
-        server.stop()
-        raise
+        server.proc = subprocess.Popen(server.argv, stdin=subprocess.DEVNULL,
+                                       stdout=subprocess.DEVNULL, env=server.env)
+        try:
+            server.wait_ready(START_TIMEOUT)
+        except BaseException:
+            server.stop()
+            raise
+    finally:
+        if secret_file is not None:
+            os.unlink(secret_file)
     return f"nbd+unix:///?socket={sock}", server
 
 
@@ -114,7 +207,8 @@ def attach(images: dict[str, str], options: UpstreamOptions,
     if not remote:
         return dict(images)
     for text in remote.values():
-        plugin_args(text, options)  # refuse a bad URL before starting anything
+        if s3.is_s3(text):
+            s3.plugin_args(text, options.s3)  # refuse a bad URL before starting anything
     for text in dict.fromkeys(t for t in remote.values() if s3.is_s3(t)):
         s3.check_object(text, options.s3)
     directory = private_directory()

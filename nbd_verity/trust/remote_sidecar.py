@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from ..errors import SidecarError
 from ..sources.source import read_capped
+from ..sources.upstream import redact
 from .sidecar import find_sidecars
 
 MAX_REMOTE_SIDECAR = 1 << 20  # a root hash or a PKCS#7 signature is far smaller
@@ -50,11 +51,11 @@ def _open(url: str, method: str = "GET", headers: dict | None = None):
         e.close()
         if e.code in ABSENT:
             return None
-        raise SidecarError(f"{url}: HTTP {e.code} {e.reason}") from None
+        raise SidecarError(f"{redact(url)}: HTTP {e.code} {e.reason}") from None
     except urllib.error.URLError as e:
-        raise SidecarError(f"{url}: {e.reason}") from None
+        raise SidecarError(f"{redact(url)}: {e.reason}") from None
     except (OSError, ValueError) as e:
-        raise SidecarError(f"{url}: {e}") from None
+        raise SidecarError(f"{redact(url)}: {e}") from None
 
 
 def http_read(url: str) -> bytes | None:
@@ -65,8 +66,8 @@ def http_read(url: str) -> bytes | None:
     with response:
         length = response.headers.get("Content-Length")
         if length is not None and length.isdigit() and int(length) > MAX_REMOTE_SIDECAR:
-            raise SidecarError(f"{url}: larger than {MAX_REMOTE_SIDECAR} bytes")
-        return read_capped(response, MAX_REMOTE_SIDECAR, url, SidecarError)
+            raise SidecarError(f"{redact(url)}: larger than {MAX_REMOTE_SIDECAR} bytes")
+        return read_capped(response, MAX_REMOTE_SIDECAR, redact(url), SidecarError)
 
 
 def http_head(url: str, size: int) -> bytes:
@@ -79,7 +80,7 @@ def http_head(url: str, size: int) -> bytes:
         try:
             return response.read(size)
         except OSError as e:
-            raise SidecarError(f"{url}: {e}") from None
+            raise SidecarError(f"{redact(url)}: {e}") from None
 
 
 def http_exists(url: str) -> bool:

@@ -15,7 +15,31 @@ from pathlib import Path
 from nbd_verity.demo.remote import Lighttpd, MotoS3, free_port
 from nbd_verity.launch import NBDKIT, Launched
 
-__all__ = ["Lighttpd", "MotoS3", "NbdkitFile"]  # the demo's lighttpd and moto, as they are
+__all__ = ["GuardedLighttpd", "Lighttpd", "MotoS3", "NbdkitFile"]  # the demo's lighttpd
+# and moto as they are, and that lighttpd behind a password and a token
+
+
+class GuardedLighttpd(Lighttpd):
+    """The demo's lighttpd answering only requests with HTTP basic auth as user:password
+    (mod_auth: 401 otherwise) and, with a token, whose query holds token=TOKEN
+    (mod_access: 403 otherwise), so that a read shows the secrets reached the server."""
+
+    def __init__(self, docroot: Path, workdir: Path, user: str | None = None,
+                 password: str | None = None, token: str | None = None) -> None:
+        super().__init__(docroot, workdir)
+        conf = workdir / "lighttpd.conf"
+        text = conf.read_text().replace(
+            "server.modules = ()", 'server.modules = ("mod_access", "mod_auth", "mod_authn_file")')
+        if user is not None:
+            users = workdir / "users"
+            users.write_text(f"{user}:{password}\n")
+            text += (f'auth.backend = "plain"\nauth.backend.plain.userfile = "{users}"\n'
+                     'auth.require = ("/" => ("method" => "basic", "realm" => "images", '
+                     '"require" => "valid-user"))\n')
+        if token is not None:
+            text += (f'$HTTP["querystring"] !~ "(^|&)token={token}(&|$)" '
+                     '{ url.access-deny = ("") }\n')
+        conf.write_text(text)
 
 
 class NbdkitFile(Launched):
