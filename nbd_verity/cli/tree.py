@@ -28,7 +28,7 @@ from ..format.params import (
 )
 from ..format.roothash import root_digest, root_hash_text
 from ..limits import block_size_problem
-from ..sources.source import check_output_room, image_size
+from ..sources.source import ImageFile, check_output_room, image_size
 from ..trust.root import resolve_root
 from ..trust.sidecar import auxiliary_path
 from .common import (
@@ -243,30 +243,19 @@ def verify_cmd(data: str, hash_image: str | None, root_hash: str | None,
     trusted = resolve_root(data, hash_image,
                            root_hash_text(root_hash, root_hash_file, required=False),
                            root_hash_signature, trusted_certs, require_signatures)
-    for warning in trusted.warnings:
-        click.echo(f"nbd-verity: warning: {warning}", err=True)
     hash_image = trusted.hash_image
-    size = image_size(data, "data")
-    params = load_params(hash_image, tree_options(kw), size)
-    check_layout(params, data, hash_image)  # the FEC area too, in verify_with_fec
-    root = root_digest(trusted.root_hex, params.digester().digest_size)
-    if size < params.data_blocks * params.data_block_size:
-        raise VerityError(f"{data}: {size} bytes, the tree covers "
-                          f"{params.data_blocks * params.data_block_size}")
-    if fec_device is not None or fec_roots is not None or fec_offset is not None:
-        if fec_device is None:
-            raise ConfigError("fec-roots: --fec-roots and --fec-offset need --fec-device")
-        _verify_with_fec(data, hash_image, fec_device, params, root, fec_roots, fec_offset)
-        return
-    with progress_bar(params.data_blocks * params.data_block_size, "Verifying") as update:
-        report = builder.verify_image(data, hash_image, params, root, update)
-    if report.ok:
-        click.echo(f"Verified {params.data_blocks} data blocks: OK")
-        if trusted.signature is not None or trusted.root_hash_source != "given":
-            click.echo(f"Trust: {trusted.describe()}")
-        return
-    _print_bad(report)
-    fail(f"verification failed: {report.bad_count} corrupted block(s)", EXIT_CORRUPT)
+    with contextlib.closing(ImageFile(data, "data")) as data_file, \
+            contextlib.closing(ImageFile(hash_image, "hash")) as hashes:
+        params = _checked_params(data_file, hashes, trusted, kw)
+        check_layout(params, data, hash_image)  # the FEC area too, in verify_with_fec
+        if fec_device is not None or fec_roots is not None or fec_offset is not None:
+            if fec_device is None:
+                raise ConfigError("fec-roots: --fec-roots and --fec-offset need --fec-device")
+            root = root_digest(trusted.root_hex, params.digester().digest_size)
+            _verify_with_fec(data, hash_image, fec_device, params, root, fec_roots,
+                             fec_offset)
+            return
+        _verify_opened(data_file, hashes, params, trusted, data_file.path, False)
 
 
 def _verify_ddi(data: str, partition: str, root_hash: str | None, signature: str | None,
@@ -276,21 +265,35 @@ def _verify_ddi(data: str, partition: str, root_hash: str | None, signature: str
     from ..serve.ddi import open_ddi
     ddi = open_ddi(data, partition, root_hash, signature, trusted_certs, require_signatures)
     with contextlib.closing(ddi):
-        for warning in ddi.trust.warnings:
-            click.echo(f"nbd-verity: warning: {warning}", err=True)
-        params = load_params(ddi.hashes.path, tree_options(kw), ddi.data.size(),
-                             source=ddi.hashes)
-        root = root_digest(ddi.trust.root_hex, params.digester().digest_size)
-        if ddi.data.size() < params.data_blocks * params.data_block_size:
-            raise VerityError(f"{ddi.data.path}: {ddi.data.size()} bytes, the tree covers "
-                              f"{params.data_blocks * params.data_block_size}")
-        with progress_bar(params.data_blocks * params.data_block_size, "Verifying") as update:
-            report = builder.verify_opened(ddi.data, ddi.hashes, params, root, update)
+        params = _checked_params(ddi.data, ddi.hashes, ddi.trust, kw)
+        _verify_opened(ddi.data, ddi.hashes, params, ddi.trust, ddi.data.path, True)
+
+
+def _checked_params(data, hashes, trusted, kw: dict) -> VerityParams:
+    """The tree's parameters of opened images (warnings of the trust said first), the
+    data image checked to hold every block the tree covers."""
+    for warning in trusted.warnings:
+        click.echo(f"nbd-verity: warning: {warning}", err=True)
+    params = load_params(hashes.path, tree_options(kw), data.size(), source=hashes)
+    covered = params.data_blocks * params.data_block_size
+    if data.size() < covered:
+        raise VerityError(f"{data.path}: {data.size()} bytes, the tree covers {covered}")
+    return params
+
+
+def _verify_opened(data, hashes, params: VerityParams, trusted, name: str,
+                   always_trust: bool) -> None:
+    """Every block of opened images against the trusted root; the verdict's lines."""
+    root = root_digest(trusted.root_hex, params.digester().digest_size)
+    with progress_bar(params.data_blocks * params.data_block_size, "Verifying") as update:
+        report = builder.verify_opened(data, hashes, params, root, update)
     if not report.ok:
         _print_bad(report)
         fail(f"verification failed: {report.bad_count} corrupted block(s)", EXIT_CORRUPT)
-    click.echo(f"Verified {params.data_blocks} data blocks of {ddi.data.path}: OK")
-    click.echo(f"Trust: {ddi.trust.describe()}")
+    click.echo(f"Verified {params.data_blocks} data blocks" +
+               (f" of {name}: OK" if always_trust else ": OK"))
+    if always_trust or trusted.signature is not None or trusted.root_hash_source != "given":
+        click.echo(f"Trust: {trusted.describe()}")
 
 
 def _print_bad(report) -> None:

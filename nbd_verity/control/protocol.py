@@ -189,7 +189,7 @@ class Control:
         return getattr(self, f"_{command}")(request)
 
     def _thresholds(self, request: dict) -> dict:
-        from .table import table_dict, updated_table  # server side only
+        from .table import CALIBRATED, CLASSES, class_index, table_dict, updated_table
         dispatcher = self.device.dispatcher
         changes = _field(request, "set", dict)
         name = _field(request, "preset", str)
@@ -197,14 +197,19 @@ class Control:
             raise ProtocolError("give set or preset, not both")
         try:
             with self._lock:  # writers serialise, so two partial updates both land
-                if name is not None:
-                    dispatcher.set_table(self.device.preset_table(name))
-                elif changes is not None:
-                    dispatcher.set_table(updated_table(dispatcher.table, changes))
+                if name is not None:  # a fixed preset pins every class; `default` none
+                    pinned = (self.device.explicit_classes() if name == CALIBRATED
+                              else frozenset(range(len(CLASSES))))
+                    dispatcher.set_table(self.device.preset_table(name), pinned)
+                elif changes is not None:  # what is set by hand, the table alone decides
+                    table = updated_table(dispatcher.table, changes)
+                    dispatcher.set_table(table, dispatcher.pinned | {
+                        class_index(str(c), "threshold") for c in changes})
                 table = dispatcher.table
         except ConfigError as e:
             raise ProtocolError(str(e)) from None
-        return {"thresholds": table_dict(table), "calibration": self.device.calibration_dict()}
+        return {"thresholds": table_dict(table), "calibration": self.device.calibration_dict(),
+                "pinned": [CLASSES[c] for c in sorted(dispatcher.pinned)]}
 
     def _stats(self, request: dict) -> dict:
         reply = {"stats": self.device.stats()}

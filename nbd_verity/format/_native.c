@@ -51,6 +51,7 @@ typedef struct {
     Py_ssize_t release_size;
     sha256x *fast;       /* sha256 on the SHA extensions (owned), or NULL: the EVP loops */
     int lanes;           /* messages fast hashes at once; 0 without it */
+    int nowait_refused;  /* preadv2 said RWF_NOWAIT is not supported here: never again ask */
 } Hasher;
 
 static int next_pow2(int n)
@@ -455,17 +456,23 @@ static PyObject *Hasher_read_verify(Hasher *self, PyObject *const *args, Py_ssiz
     slots.buf = (unsigned char *)expected.buf + slot_offset;
     slots.len = expected.len - slot_offset;
     Py_ssize_t blocks = run_blocks(self, buf.len, block_size, &slots, 1);
-    if (blocks < 0 || (ctx = thread_ctx()) == NULL)
+    /* The SHA-NI path needs no EVP context: fetch the thread's only for the EVP loops. */
+    if (blocks < 0 || (self->fast == NULL && (ctx = thread_ctx()) == NULL))
         goto done;
     unsigned char *p = buf.buf;
     size_t size = (size_t)buf.len, got = 0;
     int release = buf.len >= self->release_size;
     Py_ssize_t verdict = -1;
-    if (!release) {
+    if (!release && !self->nowait_refused) {
         /* Cached pages come back without sleeping; anything else (EAGAIN, a partial read,
-         * a file system without RWF_NOWAIT) is read below with the GIL released. */
+         * a file system without RWF_NOWAIT) is read below with the GIL released. A file
+         * system that refuses the flag (EOPNOTSUPP) is not asked again by this hasher:
+         * one device, one data image, one answer. The flag is only ever set, so threads
+         * racing on it at worst ask once more. */
         struct iovec iov = {p, size};
         ssize_t n = preadv2((int)fd, &iov, 1, (off_t)offset, RWF_NOWAIT);
+        if (n < 0 && errno == EOPNOTSUPP)
+            ((Hasher *)self)->nowait_refused = 1;
         got = n > 0 ? (size_t)n : 0;
     }
     if (release || got < size) {
@@ -505,6 +512,8 @@ static PyMemberDef Hasher_members[] = {
      "sha256 messages hashed at once on the SHA extensions, 0 on OpenSSL's EVP"},
     {"release_size", T_PYSSIZET, offsetof(Hasher, release_size), 0,
      "runs of at least this many bytes are hashed with the GIL released"},
+    {"nowait_refused", T_INT, offsetof(Hasher, nowait_refused), READONLY,
+     "1 once read_verify's file refused RWF_NOWAIT (it is not asked again)"},
     {NULL, 0, 0, 0, NULL},
 };
 

@@ -206,10 +206,9 @@ def _entry(array: bytes, index: int, header: _Header, sector_size: int,
 def _sector_size(source, size: int) -> int | None:
     """The first sector size with a GPT signature at LBA 1, else at its last sector (a
     primary header wiped whole still leaves the backup); None when neither is found."""
-    head = bytes(source.read(min(size, HEAD_SIZE), 0))
-    for ss in SECTOR_SIZES:
-        if head[ss:ss + len(SIGNATURE)] == SIGNATURE:
-            return ss
+    found = lba1_sector_size(bytes(source.read(min(size, HEAD_SIZE), 0)))
+    if found is not None:
+        return found
     for ss in SECTOR_SIZES:
         last = (size // ss - 1) * ss
         if last > ss and bytes(source.read(len(SIGNATURE), last)) == SIGNATURE:
@@ -217,9 +216,18 @@ def _sector_size(source, size: int) -> int | None:
     return None
 
 
+def lba1_sector_size(head: bytes) -> int | None:
+    """The first sector size whose LBA 1 holds a GPT signature in an image's first
+    bytes (HEAD_SIZE of them), or None: the one probe of LBA 1."""
+    for ss in SECTOR_SIZES:
+        if head[ss:ss + len(SIGNATURE)] == SIGNATURE:
+            return ss
+    return None
+
+
 def starts_with_gpt(head: bytes) -> bool:
     """Whether the first bytes of an image hold a GPT signature at LBA 1 (some sector size)."""
-    return any(head[ss:ss + len(SIGNATURE)] == SIGNATURE for ss in SECTOR_SIZES)
+    return lba1_sector_size(head) is not None
 
 
 def has_gpt_signature(source) -> bool:

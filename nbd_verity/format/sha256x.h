@@ -46,7 +46,9 @@ ssize_t sha256x_verify(const sha256x *s, const unsigned char *data, size_t block
                        size_t block_size, const unsigned char *expected, size_t slot_size);
 
 /* Messages hashed so far by calls of 1, 2 and 3 streams (counts[0..2]), process-wide:
- * proof that the SHA-extension code ran, not a fallback. */
+ * proof that the SHA-extension code ran, not a fallback. Counted only while
+ * sha256x_set_counting(1) is in force (off by default: no shared cache line per call). */
 void sha256x_counts(unsigned long long counts[SHA256X_MAX_LANES]);
+void sha256x_set_counting(int on);
 
 #endif

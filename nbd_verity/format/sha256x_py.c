@@ -25,6 +25,15 @@ static PyObject *counts(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(unused)
     return Py_BuildValue("(KKK)", c[0], c[1], c[2]);
 }
 
+static PyObject *set_counting(PyObject *Py_UNUSED(module), PyObject *on)
+{
+    int value = PyObject_IsTrue(on);
+    if (value < 0)
+        return NULL;
+    sha256x_set_counting(value);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"sha256_default_lanes", default_lanes, METH_NOARGS,
      "sha256_default_lanes() -> int: SHA-256 messages a new Hasher hashes at once on the\n"
@@ -34,7 +43,10 @@ static PyMethodDef methods[] = {
      "cpu_has_sha() -> bool: whether CPUID reports the SHA extensions and SSE4.1."},
     {"sha256x_counts", counts, METH_NOARGS,
      "sha256x_counts() -> (x1, x2, x3): messages hashed so far on the SHA extensions by\n"
-     "calls of one, two and three streams, in this process."},
+     "calls of one, two and three streams, in this process (while counting is on)."},
+    {"sha256x_count", set_counting, METH_O,
+     "sha256x_count(on): count messages for sha256x_counts (off by default: a counter\n"
+     "shared by every thread costs a cache line's journey between cores per call)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -88,7 +88,8 @@ def calibrate(digester, block_size: int, workers: int,
             raise RuntimeError("calibration: a zero block did not match its own digest")
 
     inline, pooled = (MAX_REQUEST_SIZE,) * len(CLASSES), (0,) * len(CLASSES)
-    dispatcher = Dispatcher(read, block_size, inline, workers)
+    dispatcher = Dispatcher(read, block_size, inline, workers,  # the table alone decides
+                            pinned=frozenset(range(len(CLASSES))))
     dispatcher.start()
     figures: list[tuple[int, float, float]] = []
     try:

@@ -41,7 +41,8 @@ class Shared:
 
     table: tuple[int, ...]
     workers: int
-    pool: Callable  # () -> the server's ThreadPoolExecutor, made on first use
+    pool: Callable  # () -> the server's ClassPool, made on first use
+    pinned: frozenset = frozenset()  # classes set explicitly (dispatch.py)
 
 
 @dataclass
@@ -96,11 +97,13 @@ class Device:
         table = updated_table(preset(config.threshold_preset), self._explicit)
         self.calibration: Calibration | None = None  # start_threads measures `default`
         self.default_class = class_index(config.default_class, "default-class")
+        pinned = self.explicit_classes()
         self.dispatcher = (
-            Dispatcher(self.verifier.read, self.geo.data_block_size, table, config.workers)
+            Dispatcher(self.verifier.read, self.geo.data_block_size, table, config.workers,
+                       pinned=pinned)
             if shared is None else
             Dispatcher(self.verifier.read, self.geo.data_block_size, shared.table,
-                       shared.workers, shared_pool=shared.pool))
+                       shared.workers, shared_pool=shared.pool, pinned=shared.pinned))
         # Readahead by default only where reads have latency of their own: for a local
         # file the kernel's page cache reads the hash image ahead already (benchmarks.md).
         self.readahead = (config.readahead if config.readahead is not None
@@ -121,6 +124,10 @@ class Device:
             self.dispatcher.set_table(self.preset_table(CALIBRATED))
         if self.control is not None:
             self.control.start()
+
+    def explicit_classes(self) -> frozenset:
+        """The classes given --threshold: pinned whatever preset is loaded."""
+        return frozenset(class_index(name) for name in self._explicit)
 
     def preset_table(self, name: str) -> tuple[int, ...]:
         """A preset's table here: `default` is what start-up measured (where it did),
@@ -153,6 +160,8 @@ class Device:
         return {"classes": self.dispatcher.stats.snapshot(), "totals": totals,
                 **self.status(), "thresholds": table_dict(self.dispatcher.table),
                 "workers": self.dispatcher.workers,
+                "pinned": [CLASSES[c] for c in sorted(self.dispatcher.pinned)],
+                "busy_inline": self.dispatcher.busy_inline(),
                 "chunk_size": self.dispatcher.chunk_size, "fast_path": self.fast_path,
                 "kept_thread_states": threadstate.kept(), "calibration": self.calibration_dict()}
 

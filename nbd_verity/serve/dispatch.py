@@ -13,6 +13,13 @@ and `kernel` what Linux 6.15 merged (8192, 8192, 8192, 0).
 The table (control/table.py: presets, checks, changes) is an immutable tuple replaced
 whole: readers take no lock, read it once per request, and a change applies from the next
 request on; none in flight is disturbed.
+
+Under load the table alone is not right (docs/control.md, "Dispatch under load"): a
+pool-sized request of a class whose threshold nobody set explicitly goes to the pool
+only when a worker is free to take it; when every worker is busy or promised, it is
+verified inline, in its own nbdkit thread, instead of waiting in the queue behind other
+connections' chunks (counted as `busy_inline`). A threshold set with --threshold or
+`ctl thresholds` pins its class: the table alone decides, exactly.
 """
 
 from __future__ import annotations
@@ -21,9 +28,9 @@ import os
 import threading
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 
 from ..control.table import CLASSES, INLINE, POOL
+from .pool import ClassPool
 from .tally import Tally
 
 POOL_CHUNK_SIZE = 256 << 10  # bytes per pool task: measured best of 64K..256K (docs/control.md)
@@ -96,47 +103,59 @@ class Dispatcher:
     """Runs each read inline or across the pool, as the current table says."""
 
     def __init__(self, read_fn, block_size: int, table: tuple[int, ...],
-                 workers: int = 0, shared_pool=None) -> None:
+                 workers: int = 0, shared_pool=None, pinned: frozenset = frozenset()) -> None:
         self._read = read_fn  # read_fn(buf, offset) verifies in place
         self.block_size = block_size
         self.table = table  # replaced whole, never mutated
+        self.pinned = frozenset(pinned)  # classes whose threshold alone decides (explicit)
         self.workers = workers or os.cpu_count() or 1
         self.chunk_size = max(block_size, POOL_CHUNK_SIZE - POOL_CHUNK_SIZE % block_size)
         self.stats = PathStats()
-        self._pool: ThreadPoolExecutor | None = None
+        self._busy_inline = Tally(len(CLASSES))  # pool-sized, verified inline: pool busy
+        self._pool: ClassPool | None = None
         self._shared_pool = shared_pool  # a many-export server's: () -> its one pool
         self._start_lock = threading.Lock()
 
-    def start(self) -> ThreadPoolExecutor:
+    def start(self) -> ClassPool:
         """Create the pool (after nbdkit forked: threads do not survive a fork), or take
         the server's shared one."""
         with self._start_lock:
             if self._pool is None:
                 self._pool = (self._shared_pool() if self._shared_pool is not None else
-                              ThreadPoolExecutor(self.workers, thread_name_prefix="verify"))
+                              ClassPool(self.workers))
             return self._pool
+
+    def busy_inline(self) -> dict[str, int]:
+        """Per class: pool-sized requests verified inline because no worker was free."""
+        return dict(zip(CLASSES, self._busy_inline.totals(), strict=True))
 
     def stop(self) -> None:
         if self._pool is not None and self._shared_pool is None:  # a shared one stays
             self._pool.shutdown(wait=True)
         self._pool = None
 
-    def set_table(self, table: tuple[int, ...]) -> None:
+    def set_table(self, table: tuple[int, ...], pinned: frozenset | None = None) -> None:
         self.table = table  # one reference assignment: atomic for readers
+        if pinned is not None:
+            self.pinned = frozenset(pinned)
 
     def read(self, buf: memoryview, offset: int, io_class: int) -> None:
         length = len(buf)
         path = decide(self.table, io_class, length)
+        if (path == POOL and io_class not in self.pinned and self._pool is not None
+                and self._pool.idle_workers() <= 0):
+            path = INLINE  # every worker busy: this thread verifies it, no queueing
+            self._busy_inline.row()[io_class] += 1
         started = time.perf_counter()
         try:
             if path == INLINE:
                 self._read(buf, offset)
             else:
-                self._read_in_pool(buf, offset)
+                self._read_in_pool(buf, offset, io_class)
         finally:  # failed requests count too, and their latency
             self.stats.record(io_class, path, length, time.perf_counter() - started)
 
-    def _read_in_pool(self, buf: memoryview, offset: int) -> None:
+    def _read_in_pool(self, buf: memoryview, offset: int, io_class: int) -> None:
         """Split on block boundaries into chunks, verify them in parallel, wait for all.
         The first failing chunk's error (in offset order) is the request's error, as the
         inline path would have raised it first."""
@@ -146,7 +165,8 @@ class Dispatcher:
         while pos < end:
             boundary = (pos // self.chunk_size + 1) * self.chunk_size
             stop = min(end, boundary)
-            futures.append(pool.submit(self._read, buf[pos - offset:stop - offset], pos))
+            futures.append(pool.submit(io_class, self._read, buf[pos - offset:stop - offset],
+                                       pos))
             pos = stop
         error = None
         for future in futures:  # wait for every chunk before the buffer goes back

@@ -29,7 +29,6 @@ import contextlib
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 from ..control.table import CALIBRATED, CLASSES, class_index, preset, table_dict, updated_table
@@ -40,6 +39,7 @@ from .config import ServerConfig, config_from_pairs, parse_size
 from .device import Connection, Device, Hooks, Shared
 from .exportfile import export_files, read_export_file
 from .image import image_pairs
+from .pool import ClassPool
 
 
 @dataclass
@@ -89,9 +89,10 @@ class ExportSet:
         self._explicit = {name: parse_size(f"threshold {name}", value)
                           for name, value in config.thresholds.items()}
         self.dispatcher = TableOfAll(self, updated_table(preset(config.threshold_preset),
-                                                         self._explicit))
+                                                         self._explicit),
+                                     self.explicit_classes())
         self.workers = config.workers or os.cpu_count() or 1
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool: ClassPool | None = None
         self.calibration = None
         self.default_class = class_index(config.default_class, "default-class")
         self.started = time.monotonic()
@@ -103,11 +104,11 @@ class ExportSet:
 
     # -- what the plugin calls -------------------------------------------------------
 
-    def pool(self) -> ThreadPoolExecutor:
+    def pool(self) -> ClassPool:
         """The one verification pool (made on first use: after nbdkit forked)."""
         with self._lock:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="verify")
+                self._pool = ClassPool(self.workers)
             return self._pool
 
     def start_threads(self) -> None:
@@ -121,6 +122,9 @@ class ExportSet:
             self.dispatcher.set_table(self.preset_table(CALIBRATED))
         if self.control is not None:
             self.control.start()
+
+    def explicit_classes(self) -> frozenset:
+        return frozenset(class_index(name) for name in self._explicit)
 
     def preset_table(self, name: str) -> tuple[int, ...]:
         if name == CALIBRATED and self.calibration is not None:
@@ -244,7 +248,8 @@ class ExportSet:
         upstreams: list = []
         try:
             config = config_from_pairs(image_pairs(options, upstreams))
-            shared = Shared(self.dispatcher.table, self.workers, self.pool)
+            shared = Shared(self.dispatcher.table, self.workers, self.pool,
+                            self.dispatcher.pinned)
             device = Device(replace(config, control=None), self.hooks, shared)
         except BaseException:
             for server in upstreams:
@@ -320,15 +325,19 @@ class TableOfAll:
     """The server-wide threshold table, set on every export's dispatcher at once (what
     the control socket's `thresholds` changes, as a Device's dispatcher for one)."""
 
-    def __init__(self, exports: ExportSet, table: tuple[int, ...]) -> None:
+    def __init__(self, exports: ExportSet, table: tuple[int, ...],
+                 pinned: frozenset = frozenset()) -> None:
         self._exports = exports
         self.table = table
+        self.pinned = pinned
 
-    def set_table(self, table: tuple[int, ...]) -> None:
+    def set_table(self, table: tuple[int, ...], pinned: frozenset | None = None) -> None:
         with self._exports._lock:  # a reload in progress takes the new table too
             self.table = table
+            if pinned is not None:
+                self.pinned = frozenset(pinned)
             for export in (*self._exports.exports().values(), *self._exports._retired):
-                export.device.dispatcher.set_table(table)
+                export.device.dispatcher.set_table(table, self.pinned)
 
 
 def _close_private(path: str | None) -> None:

@@ -29,7 +29,7 @@ from nbd_verity import logbound
 from nbd_verity.errors import ConfigError, CorruptionError, ImageIOError, VerityError
 from nbd_verity.limits import MAX_REQUEST_SIZE
 from nbd_verity.log import log
-from nbd_verity.serve import device, nbdkit_compat, threadstate
+from nbd_verity.serve import device, nbdkit_compat, priority, threadstate
 from nbd_verity.serve.config import (
     PARALLEL,
     RESTART_ON_CORRUPTION,
@@ -54,6 +54,7 @@ _format_exception = traceback.format_exception
 _failed_reads = [0]  # requests answered with an error, for the log summary
 _failed_lock = threading.Lock()
 _keep = threadstate.keep
+_priority = priority.apply
 
 
 def _one_line(exc, value=None, tb=None, **kwargs):
@@ -239,6 +240,7 @@ def is_rotational(h):
 
 def pread(h, buf, offset, flags):
     _keep()  # from the second request of a thread on: no new Python thread state
+    _priority(h.io_class)  # this thread at its connection's class (a compare when it is)
     if h.fast(buf, offset):  # the common request, in one frame more (serve/fastpath.py)
         return
     problem = _read(h, buf, offset)

@@ -20,9 +20,7 @@ Merkle readahead (fs-verity) fetches many level-0 blocks in one read and verifie
 
 from __future__ import annotations
 
-import threading
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING
 
 from ..errors import CorruptionError, DataCorruption, HashCorruption, ImageIOError
 from ..format.blocks import split_request
@@ -31,97 +29,24 @@ from ..format.params import VerityParams
 from ..log import log
 from ..sources.source import ImageFile
 from .cache import HashBlockCache
-from .config import EIO, IGNORE_CORRUPTION
-from .tally import Tally
+from .config import IGNORE_CORRUPTION
+from .counters import MAX_LOGGED_ERRORS, Counters, VerifyOptions
+from .repair import FecRepairs
 
 if TYPE_CHECKING:
     from ..fec.served import ServedFec
 
-MAX_LOGGED_ERRORS = 100  # the kernel's DM_VERITY_MAX_CORRUPTED_ERRS
-
-
-@dataclass(frozen=True)
-class VerifyOptions:
-    """dm-verity's optional behaviours (the kernel's table arguments; docs/server.md)."""
-
-    mode: str = EIO
-    ignore_zero_blocks: bool = False
-    check_at_most_once: bool = False
-
-
-class Counters:
-    """Totals kept for the control socket, counted per thread without a lock (tally.py)."""
-
-    FIELDS = ("data_blocks_verified", "hash_reads", "hash_blocks_read", "corruptions",
-              "readaheads", "io_errors", "fec_corrected", "fec_failed",
-              "io_errors_repaired")
-    _INDEX: ClassVar[dict[str, int]] = {name: i for i, name in enumerate(FIELDS)}
-
-    def __init__(self) -> None:
-        self._tally = Tally(len(self.FIELDS))
-        self._lock = threading.Lock()  # orders corruptions for the log cap only
-        self._seen = 0
-        self._repaired = 0  # FEC repairs, ordered for the log cap
-        self.corrupted = False  # status 'C' once any corruption was seen; never cleared
-
-    def reset(self) -> None:
-        self._tally.reset()
-        with self._lock:
-            self._seen = self._repaired = 0
-
-    def row(self) -> list[int]:
-        """This thread's row, in FIELDS order (serve/fastpath.py adds to it in place)."""
-        return self._tally.row()
-
-    def add(self, **amounts: int) -> None:
-        row = self._tally.row()
-        for name, amount in amounts.items():
-            row[self._INDEX[name]] += amount
-
-    def verified(self, blocks: int) -> None:
-        """The hot path's one counter: data blocks that matched their trusted digest
-        (data_blocks_verified; a corrupt block counts in corruptions instead)."""
-        self._tally.row()[0] += blocks
-
-    def corruption(self) -> int:
-        """Count a corruption; return how many were seen, this one included (in order)."""
-        self.corrupted = True
-        self.add(corruptions=1)
-        with self._lock:
-            self._seen += 1
-            return self._seen
-
-    def fec_corrected(self) -> int:
-        """Count a block FEC rebuilt; return how many were, this one included. The status
-        stays 'V': as the kernel, only what FEC cannot repair is a corruption."""
-        self.add(fec_corrected=1)
-        with self._lock:
-            self._repaired += 1
-            return self._repaired
-
-    def snapshot(self) -> dict:
-        return dict(zip(self.FIELDS, self._tally.totals(), strict=True))
-
-    @property
-    def corruptions(self) -> int:
-        return self.snapshot()["corruptions"]
-
-    @property
-    def status(self) -> str:
-        """'V' while every check passed, 'C' after a corruption (as dmsetup status)."""
-        return "C" if self.corrupted else "V"
-
-
-class Verifier:
+class Verifier(FecRepairs):
     """Reads and verifies data ranges of one verity device."""
 
     def __init__(self, params: VerityParams, data: ImageFile, hashes: ImageFile, root: bytes,
-                 cache: HashBlockCache, options: VerifyOptions = VerifyOptions(),
+                 cache: HashBlockCache, options: VerifyOptions | None = None,
                  fec: ServedFec | None = None) -> None:
         self.params = params
         self.geo = params.geometry()
         self.digester = params.digester()
         self.data, self.hashes, self.root = data, hashes, root
+        options = options or VerifyOptions()
         self.cache, self.options = cache, options
         self.fec = fec
         self.counters = Counters()
@@ -394,50 +319,6 @@ class Verifier:
         piece[:] = fresh
         return True
 
-    # -- forward error correction: the error path only --------------------------------
-
-    def _repair_data(self, block: int, piece: memoryview, want: bytes) -> bool:
-        """Rebuild a data block that failed its digest and its re-read into piece."""
-        if self.fec is None:
-            return False
-        fixed = self._repair("data", block, block, want)
-        if fixed is None:
-            return False
-        piece[:] = fixed
-        return True
-
-    def _rebuild_unreadable(self, block: int, piece: memoryview, error: ImageIOError) -> None:
-        """Rebuild into piece a data block the source cannot read, or raise its read error:
-        as in the kernel, what FEC cannot rebuild then is an I/O error, not a corruption.
-        The block is never marked checked (check-at-most-once): it was not read."""
-        want = self._data_want(block)
-        if self.zero_digest is not None and want == self.zero_digest:
-            piece[:] = self._zero_block  # ignore-zero-blocks: zeros, whatever the disk
-            return
-        fixed = self._repair("data", block, block, want, error)
-        if fixed is None:
-            raise error
-        piece[:] = fixed
-        self.counters.verified(1)  # it matched its digest, as a repaired corrupt block
-
-    def _repair(self, kind: str, block: int, index: int, want: bytes,
-                unreadable: ImageIOError | None = None) -> bytes | None:
-        """Message block index rebuilt by FEC and matching want, or None; counted and
-        logged (the log capped as corruption lines are). unreadable: the error of a block
-        that could not be read (counted in io_errors_repaired too)."""
-        digest = self.digester.digest
-        zero = self._fec_zero if self.zero_digest is not None else None
-        fixed = self.fec.repair(index, lambda b: digest(b) == want, self._fec_suspect, zero)
-        if fixed is None:
-            self.counters.add(fec_failed=1)
-            return None
-        if unreadable is not None:
-            self.counters.add(io_errors_repaired=1)
-        if self.counters.fec_corrected() <= MAX_LOGGED_ERRORS:
-            why = f" after a read error ({unreadable})" if unreadable is not None else ""
-            log(f"{kind} block {block} repaired with FEC{why}")
-        return fixed
-
     def _data_want(self, block: int, leaves: dict[int, bytes] | None = None) -> bytes:
         """A data block's trusted digest: the root, or its slot in its verified leaf
         (kept in leaves, when given, for the next block of the same run)."""
@@ -451,25 +332,6 @@ class Verifier:
             leaves.clear()
             leaf = leaves[leaf_index] = self._hash_block(0, leaf_index)
         return self.digester.stored(leaf, offset)
-
-    def _data_digest(self, block: int) -> bytes | None:
-        """A data block's trusted digest for FEC's erasure search; None if its leaf
-        cannot be had (the kernel then does not mark the block an erasure)."""
-        try:
-            return self._data_want(block)
-        except (CorruptionError, ImageIOError):
-            return None
-
-    def _fec_suspect(self, index: int, block: bytes) -> bool:
-        """Whether message block index is a data block that fails its own digest."""
-        if index >= self.geo.data_blocks:
-            return False
-        want = self._data_digest(index)
-        return want is not None and self.digester.digest(block) != want
-
-    def _fec_zero(self, index: int) -> bool:
-        """ignore-zero-blocks: a data block whose wanted digest is the zero block's."""
-        return index < self.geo.data_blocks and self._data_digest(index) == self.zero_digest
 
     # -- errors -----------------------------------------------------------------------
 

@@ -156,8 +156,23 @@ def test_short_messages_where_the_head_and_block_share_the_last_block(lanes):
                     data, size) == want
 
 
+@pytest.fixture
+def counting():
+    """The SHA-extension calls counted for this test (off otherwise, as in a server)."""
+    _native.sha256x_count(True)
+    yield
+    _native.sha256x_count(False)
+
+
 @needs_shani
-def test_the_sha_extensions_hashed_the_blocks():
+def test_nothing_is_counted_unless_asked():
+    before = _native.sha256x_counts()
+    Digester("sha256", os.urandom(32), 1).slots_of(bytes(9 * 4096), 4096)
+    assert _native.sha256x_counts() == before
+
+
+@needs_shani
+def test_the_sha_extensions_hashed_the_blocks(counting):
     """The default sha256 Hasher runs SHA-NI x2: pairs count as x2, an odd last block as
     x1; the builder's data level goes through it too. Proof that no silent fallback ran."""
     assert Digester("sha256", b"salt", 1).native.lanes == 2
@@ -170,9 +185,10 @@ def test_the_sha_extensions_hashed_the_blocks():
     assert _native.sha256x_counts()[1] == after[1] + 2
 
 
-def test_other_algorithms_and_evp_do_not_touch_the_sha_extensions():
+def test_other_algorithms_and_evp_do_not_touch_the_sha_extensions(request):
     if _native is None:
         pytest.skip("the native engine is not built, or NBD_VERITY_PURE=1")
+    request.getfixturevalue("counting")
     before = _native.sha256x_counts()
     Digester("sha1", b"salt", 1).slots_of(bytes(8 * 4096), 4096)
     Digester("sha256", b"salt", 1, engine="evp").slots_of(bytes(8 * 4096), 4096)
@@ -200,6 +216,7 @@ def test_no_shani_keeps_the_sha_extensions_out():
     if _native is None:
         pytest.skip("the native engine is not built, or NBD_VERITY_PURE=1")
     code = ("from nbd_verity.format import digest as d, _native as n\n"
+            "n.sha256x_count(True)\n"
             "x = d.Digester('sha256', b'salt', 1)\n"
             "x.slots_of(bytes(8 * 4096), 4096)\n"
             "print(n.sha256_default_lanes(), x.native.lanes, x.implementation.replace(' ', '_'),"

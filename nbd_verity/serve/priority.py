@@ -1,0 +1,91 @@
+"""I/O classes as CPU priority: a request's verification runs at a priority that follows its
+class, rt before be before idle, as the kernel's block schedulers serve them.
+
+- An nbdkit thread serves one connection for its life, so it takes its connection's class
+  at its first request (`apply`, per request a compare in C: _threadstate.set_nice) and
+  keeps it. The verification pool's workers take each task's class while they run it,
+  and the pool's queue is ordered by class (dispatch.ClassPool).
+- NICE per class: rt -10, be and none 0, idle 19. Raising a thread above nice 0 needs
+  CAP_SYS_NICE (or an RLIMIT_NICE that allows it; the systemd units grant the
+  capability): without it rt runs at 0, logged once, and still goes first in the pool's
+  queue; lowering works as any user, but a thread lowered cannot come back without the
+  same privilege, so unprivileged pool workers stay at 0 for every class (queue order
+  still ranks them).
+- nice 19, not SCHED_IDLE, for idle: a thread holding the GIL when it is preempted must
+  run again soon, or every thread waiting for the GIL waits with it (priority
+  inversion). A SCHED_IDLE thread may not run at all while other processes keep the
+  CPUs busy; at nice 19 it keeps a small share (weight 15 against 1024) and lets go
+  within its slices (docs/control.md has what was measured).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+
+from ..control.table import CLASSES
+from ..log import log
+
+NICE = {"none": 0, "rt": -10, "be": 0, "idle": 19}
+CLASS_NICE = tuple(NICE[name] for name in CLASSES)  # by class index
+PRIORITY_ENV = "NBD_VERITY_CLASS_PRIORITY"  # 0: every thread at the server's own nice
+
+try:
+    from ._threadstate import set_nice as _set_nice
+except ImportError:  # built without a compiler: the same in Python, per thread
+    _local = threading.local()
+
+    def _set_nice(nice: int):
+        if getattr(_local, "nice", None) == nice:
+            return None
+        _local.nice = nice
+        try:
+            os.setpriority(os.PRIO_PROCESS, 0, nice)  # Linux: the calling thread
+        except OSError as e:
+            return e.errno
+        return None
+
+_refusal_logged = threading.Event()
+
+
+def enabled() -> bool:
+    return os.environ.get(PRIORITY_ENV, "") not in ("0", "false", "no", "off")
+
+
+def apply(io_class: int) -> None:
+    """The calling thread at io_class's priority (nothing to do if it already is)."""
+    refused = _set_nice(CLASS_NICE[io_class])
+    if refused is not None and not _refusal_logged.is_set():
+        _refusal_logged.set()
+        log(f"class {CLASSES[io_class]}: cannot set nice {CLASS_NICE[io_class]} "
+            f"({errno.errorcode.get(refused, refused)}; raising a thread's priority needs "
+            f"CAP_SYS_NICE): it runs at the server's own")
+
+
+def may_raise() -> bool:
+    """Whether this process may raise a thread above nice 0 (asked on a thread of its
+    own, which ends: nothing of the caller changes)."""
+    answer: list[bool] = []
+
+    def probe() -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, 0, -1)
+            answer.append(True)
+        except OSError:
+            answer.append(False)
+
+    thread = threading.Thread(target=probe, name="nice-probe")
+    thread.start()
+    thread.join()
+    return answer[0]
+
+
+def thread_nice(tid: int) -> int:
+    """The nice value of a thread of this process (tests, ctl stats)."""
+    return os.getpriority(os.PRIO_PROCESS, tid)
+
+
+if not enabled():
+    def apply(io_class: int) -> None:  # switched off: every thread at the server's own nice
+        return None

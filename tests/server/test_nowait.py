@@ -1,0 +1,81 @@
+"""read_verify asks a file system for RWF_NOWAIT once: one that refuses it (a FUSE file,
+here nbdfuse over nbdkit's file plugin) is not asked again by that hasher, and a file
+that takes it is asked on every short read. The preadv2 calls are counted by strace."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from nbd_verity.format import _native
+
+from .upstreams import NbdkitFile
+
+READS = 50
+SCRIPT = """
+import os, sys
+from nbd_verity.format.digest import Digester
+path = sys.argv[1]
+d = Digester("sha256", b"salt", 1)
+fd = os.open(path, os.O_RDONLY)
+block = os.pread(fd, 4096, 0)
+want = d.digest(block)
+buf = bytearray(4096)
+for _ in range({reads}):
+    assert d.native.read_verify(fd, buf, 0, 4096, want) == -1
+print(d.native.nowait_refused)
+"""
+
+
+def preadv2_calls(path: Path, tmp_path: Path) -> tuple[int, str]:
+    """(preadv2 calls of READS short read_verify calls on path, nowait_refused)."""
+    trace = tmp_path / "trace"
+    run = subprocess.run(["strace", "-f", "-e", "trace=preadv2", "-o", str(trace),
+                          sys.executable, "-c", SCRIPT.format(reads=READS), str(path)],
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert run.returncode == 0, run.stderr
+    return trace.read_text().count("preadv2("), run.stdout.strip()
+
+
+@contextlib.contextmanager
+def fuse_file(socket_path: str, directory: Path):
+    """The NBD export at socket_path as the FUSE file directory/nbd (nbdfuse)."""
+    directory.mkdir()
+    fuse = subprocess.Popen(["nbdfuse", "-r", str(directory), "--unix", socket_path],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 20
+        while not (directory / "nbd").exists():
+            assert fuse.poll() is None, "nbdfuse exited"
+            assert time.monotonic() < deadline, "nbdfuse did not mount"
+            time.sleep(0.05)
+        yield directory / "nbd"
+    finally:
+        subprocess.run(["fusermount3", "-u", str(directory)], check=False,
+                       stderr=subprocess.DEVNULL, timeout=60)
+        try:
+            fuse.wait(10)
+        except subprocess.TimeoutExpired:
+            fuse.kill()
+            fuse.wait()
+
+
+@pytest.mark.skipif(_native is None, reason="the native engine is not built")
+def test_a_file_system_that_refuses_nowait_is_asked_once(tmp_path, sockdir):
+    data = tmp_path / "data.img"
+    data.write_bytes(os.urandom(1 << 20))
+    calls, refused = preadv2_calls(data, tmp_path)
+    assert (calls, refused) == (READS, "0")  # a local file takes RWF_NOWAIT every time
+    upstream = NbdkitFile(data, sockdir, "fuse-up").start()
+    try:
+        with fuse_file(upstream.sock, tmp_path / "fuse") as path:
+            calls, refused = preadv2_calls(path, tmp_path)
+    finally:
+        upstream.stop()
+    assert (calls, refused) == (1, "1")

@@ -1,0 +1,93 @@
+"""The verification pool's queue: rt before be before idle, oldest first within a class,
+and no chunk waits for ever (it rises a class every AGE_S); real threads, a real pool."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+from nbd_verity.control.table import CLASSES
+from nbd_verity.serve import priority
+from nbd_verity.serve.pool import AGE_S, ClassPool
+
+NONE, RT, BE, IDLE = range(4)
+
+
+def held(pool: ClassPool) -> threading.Event:
+    """Every worker of pool busy until the returned event is set."""
+    release = threading.Event()
+    started = threading.Barrier(pool.workers + 1)
+
+    def hold():
+        started.wait()
+        release.wait(30)
+
+    for _ in range(pool.workers):
+        pool.submit(BE, hold)
+    started.wait(10)
+    return release
+
+
+def test_queued_chunks_run_rt_first_idle_last():
+    pool = ClassPool(1)
+    try:
+        release = held(pool)
+        order: list[str] = []
+        futures = [pool.submit(c, order.append, f"{CLASSES[c]}{i}")
+                   for i, c in enumerate((IDLE, BE, RT, NONE, IDLE, RT, BE))]
+        assert pool.idle_workers() < 0  # busy, and more promised than there are workers
+        release.set()
+        for future in futures:
+            future.result(10)
+        assert order == ["rt2", "rt5", "be1", "none3", "be6", "idle0", "idle4"]
+    finally:
+        pool.shutdown()
+
+
+def test_a_waiting_idle_chunk_rises_above_newer_rt_ones():
+    """After 3 x AGE_S in the queue an idle chunk goes before an rt chunk queued later."""
+    pool = ClassPool(1)
+    try:
+        release = held(pool)
+        order: list[str] = []
+        old = pool.submit(IDLE, order.append, "idle-old")
+        time.sleep(3.5 * AGE_S)
+        new = [pool.submit(RT, order.append, f"rt{i}") for i in range(3)]
+        release.set()
+        for future in (old, *new):
+            future.result(10)
+        assert order[0] == "idle-old", order
+    finally:
+        pool.shutdown()
+
+
+def test_an_error_reaches_the_caller_and_the_worker_goes_on():
+    pool = ClassPool(2)
+    try:
+        def fail():
+            raise ValueError("chunk failed")
+        future = pool.submit(BE, fail)
+        try:
+            future.result(10)
+        except ValueError as e:
+            assert str(e) == "chunk failed"
+        else:
+            raise AssertionError("no error")
+        assert pool.submit(RT, lambda: 7).result(10) == 7
+    finally:
+        pool.shutdown()
+
+
+def test_workers_take_each_chunks_class_priority():
+    """Where this process may raise a thread's priority (root here), a worker runs an
+    idle chunk at nice 19, an rt chunk at -10, a be chunk at 0."""
+    assert priority.may_raise(), "the tests run as root"
+    pool = ClassPool(1)
+    try:
+        def nice():
+            return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        assert [pool.submit(c, nice).result(10) for c in (IDLE, RT, BE, NONE)] == \
+            [19, -10, 0, 0]
+    finally:
+        pool.shutdown()
