@@ -58,8 +58,10 @@ def test_thresholds_show_set_and_preset(server):
     kernel = ctl(server.control, "thresholds", "--preset", "kernel", "--json")
     assert kernel.returncode == 0, kernel.stderr
     reply = json.loads(kernel.stdout)
-    assert reply["ok"] is True and sorted(reply) == ["calibration", "ok", "thresholds"]
+    assert reply["ok"] is True and sorted(reply) == ["calibration", "ok", "pinned",
+                                                     "thresholds"]
     assert reply["thresholds"] == {"none": 8192, "rt": 8192, "be": 8192, "idle": 0}
+    assert reply["pinned"] == list(CLASSES)  # a fixed preset: the table alone decides
     assert server.thresholds() == reply["thresholds"]
 
 
