@@ -16,10 +16,11 @@ request on; none in flight is disturbed.
 
 Under load the table alone is not right (docs/control.md, "Dispatch under load"): a
 pool-sized request of a class whose threshold nobody set explicitly goes to the pool
-only when a worker is free to take it; when every worker is busy or promised, it is
-verified inline, in its own nbdkit thread, instead of waiting in the queue behind other
-connections' chunks (counted as `busy_inline`). A threshold set with --threshold or
-`ctl thresholds` pins its class: the table alone decides, exactly.
+only while such requests are at most half the workers and a worker is free
+(pool.demand); otherwise it is verified inline, in its own nbdkit thread, instead of
+waiting in the queue behind other connections' chunks (counted as `busy_inline`). A
+threshold set with --threshold or `ctl thresholds` pins its class: the table alone
+decides, exactly.
 """
 
 from __future__ import annotations
@@ -140,12 +141,17 @@ class Dispatcher:
             self.pinned = frozenset(pinned)
 
     def read(self, buf: memoryview, offset: int, io_class: int) -> None:
+        path = decide(self.table, io_class, len(buf))
+        if path == POOL and io_class not in self.pinned:
+            with (self._pool or self.start()).demand() as worth:
+                if not worth:  # the cores are taken: this thread verifies it, no queueing
+                    self._busy_inline.row()[io_class] += 1
+                self._timed(buf, offset, io_class, POOL if worth else INLINE)
+            return
+        self._timed(buf, offset, io_class, path)
+
+    def _timed(self, buf: memoryview, offset: int, io_class: int, path: str) -> None:
         length = len(buf)
-        path = decide(self.table, io_class, length)
-        if (path == POOL and io_class not in self.pinned and self._pool is not None
-                and self._pool.idle_workers() <= 0):
-            path = INLINE  # every worker busy: this thread verifies it, no queueing
-            self._busy_inline.row()[io_class] += 1
         started = time.perf_counter()
         try:
             if path == INLINE:

@@ -17,6 +17,7 @@ chunk is verified.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import deque
@@ -38,6 +39,7 @@ class ClassPool:
         self._cond = threading.Condition()
         self._threads: list[threading.Thread] = []
         self._busy = 0
+        self._demand = 0  # pool-sized requests being served now (demand())
         self._stopping = False
         self._prioritise: bool | None = None  # may workers change class (probed once)
 
@@ -56,6 +58,21 @@ class ClassPool:
     def idle_workers(self) -> int:
         """Workers neither busy nor promised to a queued chunk (a hint, unlocked)."""
         return self.workers - self._busy - sum(len(q) for q in self._queues)
+
+    @contextlib.contextmanager
+    def demand(self):
+        """Count a pool-sized request for as long as it is served (either path), server
+        wide; yields whether it should take the pool: only while such requests are at
+        most half the workers (each then still gets two cores) and a worker is free."""
+        with self._cond:
+            self._demand += 1
+            worth = (self._demand <= max(1, self.workers // 2)
+                     and self.workers - self._busy - sum(len(q) for q in self._queues) > 0)
+        try:
+            yield worth
+        finally:
+            with self._cond:
+                self._demand -= 1
 
     def _start(self) -> None:
         self._prioritise = priority.enabled() and priority.may_raise()

@@ -91,3 +91,20 @@ def test_workers_take_each_chunks_class_priority():
             [19, -10, 0, 0]
     finally:
         pool.shutdown()
+
+
+def test_demand_takes_the_pool_only_while_cores_are_spare():
+    """With 2 workers one pool-sized request at a time takes the pool; a second at the
+    same time is verified inline; with every worker busy none takes it."""
+    pool = ClassPool(2)
+    try:
+        with pool.demand() as first:
+            assert first is True
+            with pool.demand() as second:
+                assert second is False
+        release = held(pool)
+        with pool.demand() as third:
+            assert third is False
+        release.set()
+    finally:
+        pool.shutdown()
