@@ -43,41 +43,43 @@ def image_pairs(options: dict, started: list | None = None) -> list[tuple[str, s
     s3 = S3Options(options.get("s3_endpoint"), options.get("s3_profile"),
                    options.get("s3_credentials"))
     settle_ddi_arguments(options)
-    if options.get("partition") is None:
-        remote_sidecars(options, s3)
+    checked = remote_sidecars(options, s3) if options.get("partition") is None else ()
     images = {role: options[role] for role in ("data", "hash_image") if options.get(role)}
     upstream = UpstreamOptions(bool(options.get("upstream_cache")),
                                options.get("upstream_cache_size"), s3)
-    options.update(attach(images, upstream, started))
+    options.update(attach(images, upstream, started, checked))
     options["error_mode"] = (IGNORE_CORRUPTION if options.get("ignore_corruption") else
                              RESTART_ON_CORRUPTION if options.get("restart_on_corruption")
                              else None)
     return plugin_pairs(options)
 
 
-def remote_sidecars(options: dict, s3) -> None:
+def remote_sidecars(options: dict, s3) -> tuple[str, ...]:
     """Fill in HASH, ROOT_HASH and the signature from URL.verity, URL.roothash and
-    URL.roothash.p7s when DATA is an http(s) or s3 URL and HASH or ROOT_HASH is missing."""
+    URL.roothash.p7s when DATA is an http(s) or s3 URL and HASH or ROOT_HASH is missing;
+    an image with neither beside it that starts with a GPT is a DDI. Returns the s3://
+    URLs it has read already (they are not checked again)."""
     from ..format.gpt import HEAD_SIZE, starts_with_gpt
-    from ..sources.s3 import check_object, is_s3, sidecar_reader
+    from ..sources.s3 import check_object, head, is_s3, sidecar_reader
     from ..sources.upstream import redact
     from ..trust.remote_sidecar import discover, has_remote_sidecars, http_head, write_private
     from ..trust.sidecar import auxiliary_path
     root_given = options.get("root_hash") is not None or \
         options.get("root_hash_file") is not None
     if not has_remote_sidecars(options["data"]) or (options.get("hash_image") and root_given):
-        return
-    readers = ()
+        return ()
+    readers, checked = (), ()
     if is_s3(options["data"]):  # the image itself first: its refusal names it
         check_object(options["data"], s3)
-        readers = sidecar_reader(s3)
+        readers, checked = sidecar_reader(s3), (options["data"],)
     found = discover(options["data"], options.get("hash_image"), root_given,
                      options.get("root_hash_signature") is not None, *readers)
     data = options["data"]
     if not options.get("hash_image") and found.hash_image is None:
-        if not is_s3(data) and starts_with_gpt(http_head(data, HEAD_SIZE)):
+        first = head(data, s3, HEAD_SIZE) if is_s3(data) else http_head(data, HEAD_SIZE)
+        if starts_with_gpt(first):
             options["partition"] = "auto"  # a DDI: the plugin reads its GPT
-            return
+            return checked
         raise ConfigError(f"hash: missing (give the hash image, or put "
                           f"{redact(auxiliary_path(data, '.verity'))} beside the image)")
     if not root_given and found.root_hash is None:
@@ -90,3 +92,4 @@ def remote_sidecars(options: dict, s3) -> None:
     if found.signature is not None:  # checked by the plugin as a local file would be
         options["root_hash_signature"] = write_private(found.signature,
                                                        redact(found.found[-1]))
+    return checked

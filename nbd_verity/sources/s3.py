@@ -139,6 +139,20 @@ def check_object(url: str, options: S3Options, s3=None) -> int:
     return size
 
 
+def head(url: str, options: S3Options, size: int) -> bytes:
+    """The object's first size bytes (fewer if it is shorter; b"" if it is absent):
+    enough to see whether it starts with a GPT."""
+    response = _get(_new_client(url, options), url, f"bytes=0-{size - 1}")
+    if response is None:
+        return b""
+    from botocore.exceptions import BotoCoreError
+    try:
+        with closing(response["Body"]) as body:  # a store that ignores Range sends all
+            return body.read(size)
+    except (BotoCoreError, OSError) as e:
+        raise ConfigError(f"{url}: {e}") from None
+
+
 def _size(s3, url: str) -> int | None:
     """The object's size from a one-byte GET (its Content-Range), None if it is absent."""
     response = _get(s3, url, "bytes=0-0")

@@ -196,13 +196,14 @@ def start_upstream(url: str, directory: str, name: str,
 
 
 def attach(images: dict[str, str], options: UpstreamOptions,
-           started_servers: list | None = None) -> dict[str, str]:
+           started_servers: list | None = None, checked=()) -> dict[str, str]:
     """Replace each remote URL in images (role -> location) by the URI of its captive
     upstream; local paths and NBD URIs pass through. One URL used twice (data and tree
     in one object) gets one upstream. Stops what it started if one fails to start; the
     servers started are appended to started_servers (to stop them with the image).
     Each S3 object is read once first, so that a missing key or wrong credentials is one
-    line, not a captive nbdkit that fails at its first connection."""
+    line, not a captive nbdkit that fails at its first connection (unless the caller
+    has read it already: checked)."""
     remote = {role: text for role, text in images.items() if is_remote(text)}
     if not remote:
         return dict(images)
@@ -210,7 +211,8 @@ def attach(images: dict[str, str], options: UpstreamOptions,
         if s3.is_s3(text):
             s3.plugin_args(text, options.s3)  # refuse a bad URL before starting anything
     for text in dict.fromkeys(t for t in remote.values() if s3.is_s3(t)):
-        s3.check_object(text, options.s3)
+        if text not in checked:
+            s3.check_object(text, options.s3)
     directory = private_directory()
     started: dict[str, str] = {}
     servers: list[Launched] = []

@@ -23,7 +23,7 @@ import pytest
 from ..pki import make_identity
 from .ddiimages import FILES, backup_lba, make_ddi, set_partition_uuid
 from .serverlib import NBD_VERITY, expect_eio, flip_byte, run_refusal
-from .upstreams import Lighttpd, NbdkitFile
+from .upstreams import Lighttpd, MotoS3, NbdkitFile
 
 
 @pytest.fixture(scope="module")
@@ -168,6 +168,30 @@ def test_ddi_behind_http(signed, servers, signer, tmp_path, sockdir, monkeypatch
         assert "signed by CN=ddi-signer" in server.log()
     finally:
         web.stop()
+
+
+def test_ddi_in_s3_is_found_by_its_gpt(signed, servers, signer, tmp_path, sockdir,
+                                       monkeypatch):
+    """`serve s3://BUCKET/disk.raw` alone, with no sidecars in the bucket: its start is a
+    GPT, so it is served as a DDI (as an http:// one is), with its signature checked."""
+    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_DEFAULT_REGION"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("RUNTIME_DIRECTORY", sockdir)
+    store = MotoS3(tmp_path / "moto").start()
+    try:
+        store.fill("images", {"disk.raw": signed.path})
+        server = servers.serve_cli(["s3://images/disk.raw", "--s3-endpoint", store.endpoint,
+                                    "--trusted-certs", str(signer.cert),
+                                    "--require-signatures"])
+        h = server.connect()
+        assert h.pread(h.get_size(), 0) == signed.data.read(signed.path)
+        assert "signed by CN=ddi-signer" in server.log()
+    finally:
+        store.stop()
 
 
 def test_damaged_primary_gpt_uses_the_backup(signed, tmp_path, servers, signer):
