@@ -365,17 +365,18 @@ def dump_cmd(hash_image: str, hash_offset: int, partition: str | None,
 
 
 def _is_ddi_dump(image: str) -> bool:
-    """A DDI to dump: no verity superblock at its start, and a GPT."""
+    """A DDI to dump: no verity superblock at its start, and a GPT (no IMAGE.verity
+    beside it, as serve's rule); the image opened once."""
+    from ..format.gpt import has_gpt_signature
     from ..format.superblock import SIGNATURE
-    from ..serve.ddi import is_ddi
-    from ..sources.source import ImageFile
     try:
         with ImageFile(image, "hash") as f:  # refuses a FIFO without opening it
             if f.size() >= len(SIGNATURE) and f.read_exact(len(SIGNATURE), 0) == SIGNATURE:
                 return False
+            return not os.path.exists(auxiliary_path(image, ".verity")) and \
+                has_gpt_signature(f)
     except VerityError:
         return False  # read_params says what is wrong with it
-    return is_ddi(image, None)
 
 
 def _dump_ddi(image: str, partition: str, trusted_certs: str | None) -> None:

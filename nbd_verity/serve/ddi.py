@@ -81,11 +81,14 @@ def label(part: GptPartition) -> str:
 
 def open_ddi(location: str, designator: str = AUTO, root_hash: str | None = None,
              signature_path: str | None = None, trusted_certs: str | None = None,
-             require_signatures: bool = False) -> OpenedDdi:
-    """Open the DDI at location (a path or an NBD URI) for serving (see the module)."""
-    whole = open_source(location, "data")
+             require_signatures: bool = False, whole=None,
+             table: PartitionTable | None = None) -> OpenedDdi:
+    """Open the DDI at location (a path or an NBD URI) for serving (see the module).
+    whole and table: the image already opened and its table already read (dump), which
+    the result then owns."""
+    whole = whole or open_source(location, "data")
     try:
-        table = read_partition_table(whole, location)
+        table = table or read_partition_table(whole, location)
         designator, arch = choose(table, location, designator)
         signature = blob = None  # a signature file given replaces the partition's
         if signature_path is None:
@@ -168,14 +171,20 @@ class DdiReport:
 
 def describe_ddi(location: str, designator: str = AUTO,
                  trusted_certs: str | None = None) -> DdiReport:
-    """Read the DDI at location as open_ddi would; a refusal becomes the report's problem
-    (the partition table is still listed), a table that cannot be read raises."""
-    with contextlib.closing(open_source(location, "data")) as whole:
-        table = read_partition_table(whole, location)
+    """Read the DDI at location as open_ddi would (the image opened and its table read
+    once); a refusal becomes the report's problem (the partition table is still
+    listed), a table that cannot be read raises."""
+    whole = open_source(location, "data")
     try:
-        opened = open_ddi(location, designator, None, None, trusted_certs)
+        table = read_partition_table(whole, location)
+    except BaseException:
+        whole.close()
+        raise
+    try:
+        opened = open_ddi(location, designator, None, None, trusted_certs, whole=whole,
+                          table=table)
     except VerityError as e:
-        return DdiReport(table, None, str(e))
+        return DdiReport(table, None, str(e))  # open_ddi closed whole
     return DdiReport(table, opened, None)
 
 
