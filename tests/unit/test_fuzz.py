@@ -141,9 +141,12 @@ def test_class_names_are_case_insensitive(name, case):
 
 class FakeDispatcher:
     table = (4096, 4096, 4096, 4096)
+    pinned = frozenset()
 
-    def set_table(self, table):
+    def set_table(self, table, pinned=None):
         self.table = table
+        if pinned is not None:
+            self.pinned = frozenset(pinned)
 
 
 class FakeDevice:
@@ -163,6 +166,9 @@ class FakeDevice:
 
     def preset_table(self, name: str) -> tuple[int, ...]:
         return preset(name)
+
+    def explicit_classes(self) -> frozenset:
+        return frozenset()
 
     def calibration_dict(self) -> None:
         return None
