@@ -45,6 +45,7 @@ URI_SCHEMES = ("nbd", "nbds", "nbd+unix", "nbds+unix")
 REMOTE_SCHEMES = ("http", "https", "s3")  # read through a captive nbdkit (upstream.py)
 DEFAULT_CONNECTIONS = 16  # pool bound with multi-conn: nbdkit's threads per client
 READ_TIMEOUT_S = 60.0  # a read taking longer is an error and its connection is dropped
+DRAIN_S = 5.0  # after an ESHUTDOWN, connections are not kept idle for this long
 POLL_SLICE_MS = 250  # libnbd poll timeout per wait, so the deadline and stopping() are checked
 
 
@@ -99,6 +100,7 @@ class NbdSource:
         self._idle: list = []
         self._open = 0  # connections in existence (idle or in use)
         self._dropped = False  # a connection was lost since the last one was opened
+        self._drain_until = 0.0  # after an ESHUTDOWN: keep no connection idle until then
         first = self._connect()  # start-up: a refused connection is a clear error here
         self._size = first.get_size()
         self.multi_conn = bool(first.can_multi_conn())
@@ -167,7 +169,10 @@ class NbdSource:
 
     def _give_back(self, h, broken: bool) -> None:
         """Return a connection to the pool, or close it if it can no longer be trusted to
-        answer (dropped, timed out with a request in flight)."""
+        answer (dropped, timed out with a request in flight). For DRAIN_S after a server
+        said it is shutting down, every connection is closed after its request: one opened
+        meanwhile may be to that same dying server, which cannot exit while we hold it."""
+        broken = broken or time.monotonic() < self._drain_until
         if broken:
             _close(h)
         with self._free:
@@ -208,6 +213,7 @@ class NbdSource:
         except _Shutdown:
             with self._lock:
                 self.source_errors += 1
+                self._drain_until = time.monotonic() + DRAIN_S
             raise
         except ImageIOError:
             with self._lock:
