@@ -5,7 +5,7 @@ the one table of plugin keys; the listening options become nbdkit's own. DATA an
 are paths, NBD URIs, or http(s):// and s3:// URLs, for which captive upstream nbdkits are
 started first (upstream.attach). For an http(s) or s3 DATA without HASH or ROOT_HASH, the
 sidecars beside the URL are looked up first (serve/image.py). Every message of it names
-URLs without their user part's password or their query (upstream.redacting).
+URLs without their user part's password or their query (remote.redacting).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import click
 
 from ..serve.config import PARALLEL, THREAD_MODELS
-from ..sources.upstream import redacting
+from ..sources.remote import redacting
 from .common import edge, fec_options, image_arguments, s3_options
 
 

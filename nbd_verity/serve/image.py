@@ -60,8 +60,8 @@ def remote_sidecars(options: dict, s3) -> tuple[str, ...]:
     an image with neither beside it that starts with a GPT is a DDI. Returns the s3://
     URLs it has read already (they are not checked again)."""
     from ..format.gpt import HEAD_SIZE, starts_with_gpt
+    from ..sources.remote import redact
     from ..sources.s3 import check_object, head, is_s3, sidecar_reader
-    from ..sources.upstream import redact
     from ..trust.remote_sidecar import discover, has_remote_sidecars, http_head, write_private
     from ..trust.sidecar import auxiliary_path
     root_given = options.get("root_hash") is not None or \

@@ -15,7 +15,7 @@ MAX_REDIRECTS, never to another scheme), the server's certificate verified. One 
 connection per NBD connection (the thread model serialises each connection's requests;
 the multi-conn filter above opens several), reopened after any failure. A read that
 fails is EIO; the retry filter above reopens and retries. Messages show the URL without
-its user part and its query (upstream.redact).
+its user part and its query (remote.redact).
 """
 
 import base64
@@ -28,7 +28,7 @@ import urllib.parse
 
 import nbdkit
 
-from nbd_verity.sources.upstream import redact
+from nbd_verity.sources.remote import redact
 
 API_VERSION = 2
 MAX_REDIRECTS = 5

@@ -33,11 +33,12 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import re
 import threading
 import time
 import urllib.parse
 
-from ..errors import ConfigError, ImageIOError
+from ..errors import ConfigError, ImageIOError, VerityError
 from ..limits import MAX_REQUEST_SIZE
 from .source import ImageFile
 
@@ -65,6 +66,40 @@ def redacted(uri: str) -> str:
     parts = urllib.parse.urlsplit(uri)
     netloc = parts.netloc.rsplit("@", 1)[-1]
     return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, parts.query, ""))
+
+
+HIDDEN = "***"  # what messages show for a user part or a query
+# Any URL in a message: up to white space or a quote, and not the punctuation after it
+# ("URL: reason", "[URL]").
+URL_IN_TEXT = re.compile(r"\b(?:https?|s3|nbds?(?:\+unix)?)://[^\s'\"<>]*[^\s'\"<>:,;.)\]]")
+
+
+def redact(url: str) -> str:
+    """URL for messages: its user part and (but for an NBD URI's socket= and tls- keys,
+    file names) its query shown as ***; a local path as it is."""
+    parts = urllib.parse.urlsplit(url)
+    if "://" not in url or not parts.scheme:
+        return url
+    host = parts.netloc.rpartition("@")[2]
+    netloc = f"{HIDDEN}@{host}" if "@" in parts.netloc else host
+    query = parts.query if parts.scheme in URI_SCHEMES or not parts.query else HIDDEN
+    return f"{parts.scheme}://{netloc}{parts.path}" + (f"?{query}" if query else "")
+
+
+def redact_text(text: str) -> str:
+    """TEXT with every URL in it redacted (a message built from others' messages)."""
+    return URL_IN_TEXT.sub(lambda m: redact(m.group(0)), text)
+
+
+@contextlib.contextmanager
+def redacting():
+    """Redact the URLs in the message of any VerityError raised inside: the CLI's last
+    guard, for messages made below us (a sidecar's parser, boto3) from a URL."""
+    try:
+        yield
+    except VerityError as e:
+        e.args = tuple(redact_text(a) if isinstance(a, str) else a for a in e.args)
+        raise
 
 
 def open_source(text: str, role: str, stopping=None, timeout_s: float = READ_TIMEOUT_S):

@@ -69,7 +69,7 @@ def is_s3(text: str) -> bool:
 def split_url(url: str) -> tuple[str, str]:
     """(bucket, key) of s3://BUCKET/KEY; a user part is refused (credentials in a URL
     would reach the S3 plugin's bucket= on its command line)."""
-    from .upstream import redact  # (upstream imports this module)
+    from .remote import redact
     parts = urllib.parse.urlsplit(url)
     bucket, key = parts.netloc, parts.path.lstrip("/")
     if "@" in bucket:

@@ -32,25 +32,18 @@ names URLs through redact(): no password and no query.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import re
 import subprocess
 import tempfile
 import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import VerityError
 from ..launch import NBDKIT, START_TIMEOUT, Launched
 from . import s3
-from .remote import REMOTE_SCHEMES, URI_SCHEMES
+from .remote import REMOTE_SCHEMES, redact
 
 HTTPREAD = Path(__file__).resolve().parent / "httpread.py"  # for URLs with a query
-HIDDEN = "***"  # what messages show for a user part or a query
-# Any URL in a message: up to white space or a quote, and not the punctuation after it
-# ("URL: reason", "[URL]").
-URL_IN_TEXT = re.compile(r"\b(?:https?|s3|nbds?(?:\+unix)?)://[^\s'\"<>]*[^\s'\"<>:,;.)\]]")
 
 # The retry filter's budget: 3 retries after 1, 2 and 4 s (7 s in all) keeps a request
 # under the Linux nbd client's 30 s default timeout, yet rides out a server restart.
@@ -69,34 +62,6 @@ class UpstreamOptions:
 def is_remote(text: str) -> bool:
     """An image named by a URL that needs a captive upstream (http, https, s3)."""
     return urllib.parse.urlsplit(text).scheme in REMOTE_SCHEMES
-
-
-def redact(url: str) -> str:
-    """URL for messages: its user part and (but for an NBD URI's socket= and tls- keys,
-    file names) its query shown as ***; a local path as it is."""
-    parts = urllib.parse.urlsplit(url)
-    if "://" not in url or not parts.scheme:
-        return url
-    host = parts.netloc.rpartition("@")[2]
-    netloc = f"{HIDDEN}@{host}" if "@" in parts.netloc else host
-    query = parts.query if parts.scheme in URI_SCHEMES or not parts.query else HIDDEN
-    return f"{parts.scheme}://{netloc}{parts.path}" + (f"?{query}" if query else "")
-
-
-def redact_text(text: str) -> str:
-    """TEXT with every URL in it redacted (a message built from others' messages)."""
-    return URL_IN_TEXT.sub(lambda m: redact(m.group(0)), text)
-
-
-@contextlib.contextmanager
-def redacting():
-    """Redact the URLs in the message of any VerityError raised inside: the CLI's last
-    guard, for messages made below us (a sidecar's parser, boto3) from a URL."""
-    try:
-        yield
-    except VerityError as e:
-        e.args = tuple(redact_text(a) if isinstance(a, str) else a for a in e.args)
-        raise
 
 
 def secret_of(url: str) -> str | None:

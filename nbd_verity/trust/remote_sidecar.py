@@ -24,8 +24,8 @@ import urllib.request
 from dataclasses import dataclass
 
 from ..errors import SidecarError
+from ..sources.remote import redact
 from ..sources.source import read_capped
-from ..sources.upstream import redact
 from .sidecar import find_sidecars
 
 MAX_REMOTE_SIDECAR = 1 << 20  # a root hash or a PKCS#7 signature is far smaller

@@ -26,7 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from nbd_verity.sources.upstream import plugin_args, redact, secret_of, write_secret
+from nbd_verity.sources.remote import redact
+from nbd_verity.sources.upstream import plugin_args, secret_of, write_secret
 
 from . import test_s3_sources
 from .serverlib import (
