@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import re
 import subprocess
 import sys
@@ -46,19 +47,16 @@ def parse_version(text: str) -> tuple[int, int, int] | None:
     return tuple(int(part) for part in match.groups()) if match else None
 
 
-_version_cache: list = []
-
-
+@functools.cache
 def nbdkit_version(binary: str = "/proc/self/exe") -> tuple[int, int, int] | None:
-    """The version of the nbdkit running us (its own binary, asked once), or None."""
-    if not _version_cache:
-        try:
-            out = subprocess.run([binary, "--dump-config"], capture_output=True, text=True,
-                                 timeout=10, check=False).stdout
-        except (OSError, subprocess.SubprocessError):
-            out = ""
-        _version_cache.append(parse_version(out))
-    return _version_cache[0]
+    """The version of an nbdkit binary (by default the one running us), asked once per
+    binary, or None when it cannot be run or does not say."""
+    try:
+        out = subprocess.run([binary, "--dump-config"], capture_output=True, text=True,
+                             timeout=10, check=False).stdout
+    except (OSError, subprocess.SubprocessError):
+        out = ""
+    return parse_version(out)
 
 
 def has_send_race(version: tuple[int, int, int] | None) -> bool:

@@ -16,6 +16,7 @@ from nbd_verity.serve.nbdkit_compat import has_send_race, nbdkit_version
 
 from .serverlib import (
     MIB,
+    NBDKIT,
     error_number,
     expect_eio,
     flip_byte,
@@ -66,7 +67,7 @@ def test_parallel_is_an_opt_in_with_a_warning(default_image, servers):
     server = servers.start(default_image, thread_model="parallel")
     assert server.connect().pread(4096, 0) == default_image.expected(0, 4096)
     warned = "any client can stop this server" in server.log()
-    assert warned == has_send_race(nbdkit_version("/usr/sbin/nbdkit"))
+    assert warned == has_send_race(nbdkit_version(NBDKIT))
 
 
 @pytest.fixture(scope="module")
