@@ -65,8 +65,8 @@ def _one_line(exc, value=None, tb=None, **kwargs):
 
 # The one replacement of traceback.format_exception, from import on (config() errors are
 # one line too); whether to give nbdkit's leaked references back is known at
-# config_complete, once nbdkit's version has been asked.
-_failures = nbdkit_compat.FailureRaiser(nbdkit.set_error, False, _one_line)
+# config_complete for the versions read, and found out at the first failures otherwise.
+_failures = nbdkit_compat.FailureRaiser(nbdkit.set_error, None, _one_line)
 _failures.install()
 
 
