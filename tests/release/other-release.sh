@@ -14,6 +14,9 @@
 # /run, a fresh `git clone` of HEAD in /work/nbd-verity, `make test` there. Whatever happens
 # (failure, signal), the trap ends every process whose root is the tree, by pid, and
 # unmounts what this run mounted. Exit status: that of `make test` inside.
+#
+# With arguments, they go to pytest instead of `make test` (after `make setup`), for a
+# targeted run: tests/release/other-release.sh tests/server/test_hostile.py -x
 set -euo pipefail
 
 repo=$(cd "$(dirname "$0")/../.." && pwd)
@@ -103,6 +106,17 @@ configure_tree() {
     done
     cp -L /etc/resolv.conf "$root/etc/resolv.conf"
     cp /etc/hosts "$root/etc/hosts"
+    # The certificate authorities the host added, and how pip reaches its index: the
+    # same registry from inside. Local wheel folders (find-links, file:// indexes) stay out.
+    if [ -d /usr/local/share/ca-certificates ]; then
+        mkdir -p "$root/usr/local/share/ca-certificates"
+        cp -r /usr/local/share/ca-certificates/. "$root/usr/local/share/ca-certificates/"
+        chroot "$root" /usr/sbin/update-ca-certificates > /dev/null 2>&1 || true
+    fi
+    if [ -f /etc/pip.conf ]; then
+        grep -E '^\[|^[[:space:]]*(index-url|cert|trusted-host|proxy|timeout)[[:space:]]*=' \
+            /etc/pip.conf | grep -v 'file://' > "$root/etc/pip.conf" || true
+    fi
 }
 
 mount_in() {
@@ -135,11 +149,13 @@ main() {
     git -C "$root/work/nbd-verity" checkout -q --detach "$(git -C "$repo" rev-parse HEAD)"
     log "make test in a clone of $(git -C "$repo" rev-parse --short HEAD)," \
         "tree ready after $((SECONDS - start)) s"
-    local status=0
+    local status=0 run="make test"
+    [ $# -gt 0 ] && run="make setup && .venv/bin/python -m pytest $(printf '%q ' "$@")"
     chroot "$root" /usr/bin/env -i HOME=/root LANG=C.UTF-8 TERM="${TERM:-dumb}" \
         PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin CI="${CI:-}" \
-        /bin/bash -c "cd /work/nbd-verity && cat /etc/debian_version && make test" || status=$?
-    log "make test exited $status after $((SECONDS - start)) s"
+        /bin/bash -c "cd /work/nbd-verity && echo \"Debian \$(cat /etc/debian_version)\" && $run" \
+        || status=$?
+    log "${run##*&& } exited $status after $((SECONDS - start)) s"
     return "$status"
 }
 
