@@ -29,6 +29,7 @@ from .calibrate import Calibration, calibrate
 from .config import ServerConfig, parse_size
 from .dispatch import Dispatcher
 from .ioprio import connection_class
+from .nbdkit_compat import nbdkit_version, version_text
 from .readahead import Readahead
 from .verifier import Verifier, VerifyOptions
 
@@ -136,7 +137,8 @@ class Device:
                 **self.status(), "thresholds": table_dict(self.dispatcher.table),
                 "workers": self.dispatcher.workers,
                 "chunk_size": self.dispatcher.chunk_size, "fast_path": self.fast_path,
-                "kept_thread_states": threadstate.kept(), "calibration": self.calibration_dict()}
+                "kept_thread_states": threadstate.kept(), "calibration": self.calibration_dict(),
+                "nbdkit": version_text(nbdkit_version())}  # the nbdkit running us
 
     def calibration_dict(self) -> dict | None:
         return None if self.calibration is None else self.calibration.as_dict()
