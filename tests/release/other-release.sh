@@ -94,13 +94,19 @@ build_tree() {
 
 # The host's apt sources for the other release, its Acquire settings, its resolver.
 configure_tree() {
-    local source file
-    rm -f "$root/etc/apt/sources.list"
+    local source file copied=0
     mkdir -p "$root/etc/apt/sources.list.d" "$root/etc/apt/apt.conf.d"
     for source in /etc/apt/sources.list.d/*.sources /etc/apt/sources.list; do
         [ -f "$source" ] && grep -qw "$host" "$source" || continue
         sed "s/\b$host\b/$other/g" "$source" > "$root/etc/apt/sources.list.d/$(basename "$source")"
+        copied=1
     done
+    # debootstrap's own sources.list (its mirror, main only) stays if the host names no suite
+    if [ "$copied" = 1 ] && [ -f "$root/etc/apt/sources.list.d/sources.list" ]; then
+        mv "$root/etc/apt/sources.list.d/sources.list" "$root/etc/apt/sources.list"
+    elif [ "$copied" = 1 ]; then
+        rm -f "$root/etc/apt/sources.list"
+    fi
     for file in /etc/apt/apt.conf.d/*; do
         grep -q '^[[:space:]]*Acquire' "$file" 2>/dev/null && cp "$file" "$root/etc/apt/apt.conf.d/"
     done
@@ -159,4 +165,4 @@ main() {
     return "$status"
 }
 
-main "$@"
+main "$@"; exit $?  # one line: bash has read it whole before running it
