@@ -72,14 +72,14 @@ _failures.install()
 
 def _peer_pid():
     """The pid of the current connection's client (-1 when unknown, as over TCP).
-    nbdkit.peer_pid() where the Python plugin has it (nbdkit 1.42; it raises when the
-    pid is unknown); nbdkit 1.32's lacks it, so there the server's own nbdkit_peer_pid()
-    through ctypes (-1 when unknown)."""
+    nbdkit.peer_pid() where the Python plugin has it (nbdkit 1.42: ValueError "Unable to
+    get client pid" over TCP); nbdkit 1.32's lacks it, so there the server's own
+    nbdkit_peer_pid() through ctypes (-1 when unknown)."""
     binding = getattr(nbdkit, "peer_pid", None)
     if binding is not None:
         try:
             return binding()
-        except RuntimeError:
+        except (ValueError, RuntimeError):
             return -1
     try:
         return ctypes.CDLL(None).nbdkit_peer_pid()
