@@ -157,10 +157,13 @@ main() {
         "tree ready after $((SECONDS - start)) s"
     local status=0 run="make test"
     [ $# -gt 0 ] && run="make setup && .venv/bin/python -m pytest $(printf '%q ' "$@")"
+    # In the background, waited for: a signal to this script ends the wait at once (bash
+    # runs traps only between commands), and the EXIT trap then ends what runs inside.
     chroot "$root" /usr/bin/env -i HOME=/root LANG=C.UTF-8 TERM="${TERM:-dumb}" \
         PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin CI="${CI:-}" \
         /bin/bash -c "cd /work/nbd-verity && echo \"Debian \$(cat /etc/debian_version)\" && $run" \
-        || status=$?
+        < /dev/null &
+    wait $! || status=$?
     log "${run##*&& } exited $status after $((SECONDS - start)) s"
     return "$status"
 }
