@@ -99,9 +99,10 @@ class FailureRaiser:
     keeps; False: nbdkit frees them; None: find out) may be set after install()."""
 
     def __init__(self, set_error, compensate: bool | None,
-                 fallback=traceback.format_exception):
+                 fallback=traceback.format_exception, on_verdict=None):
         self._set_error = set_error
         self.compensate = compensate
+        self._on_verdict = on_verdict  # called once with what was found out, if set
         self._fallback = fallback
         self._pending = threading.local()  # .error: raised, not yet formatted
         self._watched = threading.local()  # .ref: this thread's first failure, while unknown
@@ -144,6 +145,8 @@ class FailureRaiser:
         if watched is not None:
             self._watched.ref = None
             self.compensate = watched() is not None
+            if self._on_verdict is not None:
+                self._on_verdict(self.compensate)
 
     def _self_test(self) -> None:
         """A Python caller still gets a real traceback and keeps its references."""

@@ -66,7 +66,14 @@ def _one_line(exc, value=None, tb=None, **kwargs):
 # The one replacement of traceback.format_exception, from import on (config() errors are
 # one line too); whether to give nbdkit's leaked references back is known at
 # config_complete for the versions read, and found out at the first failures otherwise.
-_failures = nbdkit_compat.FailureRaiser(nbdkit.set_error, None, _one_line)
+def _leak_verdict(kept: bool) -> None:
+    """What the first failures showed of an nbdkit whose source we have not read."""
+    version = nbdkit_compat.version_text(nbdkit_compat.nbdkit_version())
+    log(f"nbdkit {version} keeps every failed request's exception: its references are "
+        f"given back" if kept else f"nbdkit {version} frees failed requests' exceptions")
+
+
+_failures = nbdkit_compat.FailureRaiser(nbdkit.set_error, None, _one_line, _leak_verdict)
 _failures.install()
 
 

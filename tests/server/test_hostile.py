@@ -12,7 +12,7 @@ import nbd
 import pytest
 
 from nbd_verity.limits import MAX_REQUEST_SIZE
-from nbd_verity.serve.nbdkit_compat import has_send_race, nbdkit_version
+from nbd_verity.serve.nbdkit_compat import has_send_race, leaks_failures, nbdkit_version
 
 from .serverlib import (
     MIB,
@@ -129,6 +129,11 @@ def test_20000_failed_reads_leave_rss_flat(damaged, servers):
     grown = rss_kib(server.pid) - before
     assert grown < 10 * 1024, f"RSS grew {grown} KiB over 20,000 failed reads"
     assert h.pread(dbs, 0) == damaged.expected(0, dbs)
+    # Known to leak (1.32): given back from the first failure, nothing to find out. Any
+    # other version (1.42): the first failures found out that nbdkit keeps them.
+    version = nbdkit_version(NBDKIT)
+    found = "keeps every failed request's exception: its references are given back"
+    assert (found in server.log()) == (leaks_failures(version) is None), server.log()[-2000:]
 
 
 def test_log_lines_are_bounded_and_summarised(damaged, servers):
