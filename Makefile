@@ -2,18 +2,27 @@
 SHELL := /bin/bash
 VENV := $(CURDIR)/.venv
 PY := $(VENV)/bin/python
-DEB_PACKAGES := nbdkit nbdkit-plugin-python python3-libnbd libnbd-bin fio cryptsetup-bin \
+# Debian packages, one table keyed by release (VERSION_CODENAME of /etc/os-release):
+# what every supported release installs, then what one release names on its own.
+DEB_PACKAGES_ALL := nbdkit nbdkit-plugin-python python3-libnbd libnbd-bin fio cryptsetup-bin \
 	nbd-client python3-venv python3-asn1crypto python3-cryptography nbdfuse fuse3 e2fsprogs \
 	util-linux openssl qemu-system-x86 socat busybox-static dmsetup iproute2 systemd fdisk \
 	gcc python3-dev libssl-dev lighttpd python3-boto3
+DEB_PACKAGES_bookworm :=                 # Debian 12: systemd carries systemd-repart
+DEB_PACKAGES_trixie := systemd-repart    # Debian 13: its own package, not pulled in by systemd
+RELEASE := $(shell . /etc/os-release 2>/dev/null && echo $$VERSION_CODENAME)
+SUPPORTED_RELEASES := bookworm trixie
+DEB_PACKAGES := $(DEB_PACKAGES_ALL) $(DEB_PACKAGES_$(RELEASE))
 
-.PHONY: setup demo test lint bench bench-format bench-fec bench-latency e2e e2e-bench soak clean
+.PHONY: setup demo test test-other-release lint bench bench-format bench-fec bench-latency e2e e2e-bench soak clean
 
 setup: $(VENV)/.installed
 
 # Debian packages first (idempotent: apt only runs when one is missing), then the venv
 # from Debian's python3, which is the interpreter nbdkit embeds.
 $(VENV)/.installed: pyproject.toml setup.py $(wildcard nbd_verity/format/*.[ch]) nbd_verity/fec/_rs.c nbd_verity/serve/_threadstate.c  # C built in place
+	@case " $(SUPPORTED_RELEASES) " in *" $(RELEASE) "*) ;; *) echo "setup: Debian release \
+		'$(RELEASE)' is not supported (supported: $(SUPPORTED_RELEASES))" >&2; exit 1;; esac
 	@missing=$$(for p in $(DEB_PACKAGES); do dpkg-query -W -f='$${Status}' $$p 2>/dev/null \
 		| grep -q 'install ok installed' || echo $$p; done); \
 	if [ -n "$$missing" ]; then \
@@ -30,6 +39,11 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest tests
+
+# `make test` of a fresh clone of HEAD on the other supported release (Debian 13 on a
+# Debian 12 host and back), in a debootstrap tree cached in /var/cache/nbd-verity/release.
+test-other-release:
+	bash tests/release/other-release.sh
 
 lint: setup
 	$(PY) -m pip install -q ruff

@@ -163,7 +163,8 @@ def format_stats(stats: dict) -> str:
     lines.append("")
     lines.append(f"status {stats['status']}  corruptions {stats['corruptions']}  "
                  f"uptime {stats['uptime_s']:.0f} s  workers {stats['workers']}  "
-                 f"kept thread states {stats.get('kept_thread_states', 0)}")
+                 f"kept thread states {stats.get('kept_thread_states', 0)}  "
+                 f"nbdkit {stats.get('nbdkit', 'unknown')}")
     lines.append("  ".join(f"{k} {v}" for k, v in totals.items()))
     if stats.get("calibration"):
         lines.append("thresholds " + describe(stats["calibration"]))

@@ -41,19 +41,23 @@ class CommandGroup(click.Group):
                                                  "auto_envvar_prefix": "NBD_VERITY"})
 @click.option("--version", is_flag=True, expose_value=False, is_eager=True,
               callback=lambda ctx, _param, value: _version(ctx) if value else None,
-              help="Show the version and the hashing engine, and exit.")
+              help="Show the version, the hashing engine and nbdkit's version, and exit.")
 def main() -> None:
     """A verified (dm-verity) block server for NBD, and its tools."""
 
 
 def _version(ctx: click.Context) -> None:
-    """`nbd-verity --version`: the package's version and which engine hashes."""
+    """`nbd-verity --version`: the package's version, which engine hashes, and the nbdkit
+    that `serve` runs."""
     from importlib.metadata import PackageNotFoundError, version
 
     from ..format.digest import engine_name
+    from ..launch import NBDKIT
+    from ..serve.nbdkit_compat import nbdkit_version, version_text
     try:
         text = version("nbd-verity")
     except PackageNotFoundError:
         from .. import __version__ as text
-    click.echo(f"nbd-verity {text}\nhashing engine: {engine_name()}")
+    click.echo(f"nbd-verity {text}\nhashing engine: {engine_name()}\n"
+               f"nbdkit: {version_text(nbdkit_version(NBDKIT))} ({NBDKIT})")
     ctx.exit()

@@ -30,6 +30,7 @@ from .calibrate import Calibration, calibrate
 from .config import ServerConfig, parse_size
 from .dispatch import Dispatcher
 from .ioprio import connection_class
+from .nbdkit_compat import nbdkit_version, version_text
 from .readahead import Readahead
 from .verifier import Verifier, VerifyOptions
 
@@ -163,7 +164,8 @@ class Device:
                 "pinned": [CLASSES[c] for c in sorted(self.dispatcher.pinned)],
                 "busy_inline": self.dispatcher.busy_inline(),
                 "chunk_size": self.dispatcher.chunk_size, "fast_path": self.fast_path,
-                "kept_thread_states": threadstate.kept(), "calibration": self.calibration_dict()}
+                "kept_thread_states": threadstate.kept(), "calibration": self.calibration_dict(),
+                "nbdkit": version_text(nbdkit_version())}  # the nbdkit running us
 
     def calibration_dict(self) -> dict | None:
         return None if self.calibration is None else self.calibration.as_dict()

@@ -10,30 +10,37 @@ Two defects of nbdkit 1.32 (Debian 12's 1.32.5), found in its source:
    default thread model is SERIALIZE_REQUESTS (config.THREAD_MODELS).
 
 2. **The failed-callback leak** (plugins/python/errors.c check_python_failure, read in
-   1.32.5 and up to 1.33.11): PyErr_Fetch's three references (type, exception, traceback)
-   are never released, so each failed request keeps its exception, its traceback and
-   every frame of it with all their locals (buffers, hash blocks) alive forever: about
-   4 KB per failed read for us. `FailureRaiser` makes the exception nbdkit sees cheap and
-   gives the references back:
+   1.32.5 and up to 1.33.11; nbdkit 1.42.3, Debian 13's, still has it: measured, every
+   failed callback's exception stays alive): PyErr_Fetch's three references (type,
+   exception, traceback) are never released, so each failed request keeps its
+   exception, its traceback and every frame of it with all their locals (buffers, hash
+   blocks) alive forever: about 4 KB per failed read for us. `FailureRaiser` makes the
+   exception nbdkit sees cheap and gives the references back:
    - it is raised fresh, outside any `except` block (no __context__ chain), from a frame
      that holds nothing but the request's arguments;
    - nbdkit formats it with traceback.format_exception, called from C (no Python frame
      above it): our formatter recognises the exception this thread just raised, returns
-     its message as one line, and, on a version known to leak, releases the three
-     references with Py_DecRef (0 bytes per failure, measured over 20,000);
-   - on any other version it clears the traceback's frames instead (their locals are
-     freed; what nbdkit may still hold is a traceback object, about 270 bytes).
+     its message as one line, and, where nbdkit keeps the references, releases the three
+     with Py_DecRef (0 bytes per failure, measured over 20,000);
+   - whether nbdkit keeps them is known for the versions read (1.32.0 to 1.33.11) and
+     found out on any other: a thread's first failure only has its frames cleared and is
+     watched through a weak reference; at that thread's next failure its callback has
+     long returned, so the exception is alive only if nbdkit kept it. Kept: release from
+     then on (the first stays, one per thread). Freed: never release (a release there
+     would free what nbdkit frees too).
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import re
 import subprocess
 import sys
 import threading
 import traceback
+import weakref
 
 RACE_FIRST = (1, 32, 4)  # the first version with the disconnect race
 RACE_FIXED = (1, 34, 0)  # commit 9d82aa4f "server: Fix race in raw_send_socket"
@@ -46,19 +53,16 @@ def parse_version(text: str) -> tuple[int, int, int] | None:
     return tuple(int(part) for part in match.groups()) if match else None
 
 
-_version_cache: list = []
-
-
+@functools.cache
 def nbdkit_version(binary: str = "/proc/self/exe") -> tuple[int, int, int] | None:
-    """The version of the nbdkit running us (its own binary, asked once), or None."""
-    if not _version_cache:
-        try:
-            out = subprocess.run([binary, "--dump-config"], capture_output=True, text=True,
-                                 timeout=10, check=False).stdout
-        except (OSError, subprocess.SubprocessError):
-            out = ""
-        _version_cache.append(parse_version(out))
-    return _version_cache[0]
+    """The version of an nbdkit binary (by default the one running us), asked once per
+    binary, or None when it cannot be run or does not say."""
+    try:
+        out = subprocess.run([binary, "--dump-config"], capture_output=True, text=True,
+                             timeout=10, check=False).stdout
+    except (OSError, subprocess.SubprocessError):
+        out = ""
+    return parse_version(out)
 
 
 def has_send_race(version: tuple[int, int, int] | None) -> bool:
@@ -66,9 +70,11 @@ def has_send_race(version: tuple[int, int, int] | None) -> bool:
     return version is None or RACE_FIRST <= version < RACE_FIXED
 
 
-def leaks_failures(version: tuple[int, int, int] | None) -> bool:
-    """Whether this version is known to leak every failed callback's exception."""
-    return version is not None and LEAK_KNOWN[0] <= version <= LEAK_KNOWN[1]
+def leaks_failures(version: tuple[int, int, int] | None) -> bool | None:
+    """True where this version is known to leak every failed callback's exception;
+    None where it is not known (FailureRaiser finds out)."""
+    known = version is not None and LEAK_KNOWN[0] <= version <= LEAK_KNOWN[1]
+    return True if known else None
 
 
 def version_text(version: tuple[int, int, int] | None) -> str:
@@ -89,13 +95,17 @@ class FailureRaiser:
 
     install() replaces traceback.format_exception once (the only place that does);
     `fallback` formats everything that is not a pending request failure (the plugin's
-    one-line formatter for VerityError). compensate may be set after install()."""
+    one-line formatter for VerityError). compensate (True: release the references nbdkit
+    keeps; False: nbdkit frees them; None: find out) may be set after install()."""
 
-    def __init__(self, set_error, compensate: bool, fallback=traceback.format_exception):
+    def __init__(self, set_error, compensate: bool | None,
+                 fallback=traceback.format_exception, on_verdict=None):
         self._set_error = set_error
         self.compensate = compensate
+        self._on_verdict = on_verdict  # called once with what was found out, if set
         self._fallback = fallback
-        self._pending = threading.local()
+        self._pending = threading.local()  # .error: raised, not yet formatted
+        self._watched = threading.local()  # .ref: this thread's first failure, while unknown
 
     def install(self) -> None:
         traceback.format_exception = self.format_exception
@@ -103,6 +113,8 @@ class FailureRaiser:
 
     def fail(self, errnum: int, message: str):
         """Set the errno and raise a fresh, shallow exception. Call it outside `except`."""
+        if self.compensate is None:
+            self._judge()
         self._set_error(errnum)
         error = RequestFailed(message)
         self._pending.error = error
@@ -120,8 +132,21 @@ class FailureRaiser:
                         _decref(ref)
             else:
                 _clear_frames(tb)
+                if self.compensate is None and getattr(self._watched, "ref", None) is None:
+                    self._watched.ref = weakref.ref(pending)
             return [str(pending)]
         return self._fallback(exc, value, tb, *args, **kwargs)
+
+    def _judge(self) -> None:
+        """Whether nbdkit kept this thread's watched failure: asked only by the thread
+        that raised it, so the callback that failed has returned to nbdkit, which has
+        released by now whatever it releases (our own references went with the frames)."""
+        watched = getattr(self._watched, "ref", None)
+        if watched is not None:
+            self._watched.ref = None
+            self.compensate = watched() is not None
+            if self._on_verdict is not None:
+                self._on_verdict(self.compensate)
 
     def _self_test(self) -> None:
         """A Python caller still gets a real traceback and keeps its references."""

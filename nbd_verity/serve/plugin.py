@@ -68,13 +68,29 @@ def _one_line(exc, value=None, tb=None, **kwargs):
 
 # The one replacement of traceback.format_exception, from import on (config() errors are
 # one line too); whether to give nbdkit's leaked references back is known at
-# config_complete, once nbdkit's version has been asked.
-_failures = nbdkit_compat.FailureRaiser(nbdkit.set_error, False, _one_line)
+# config_complete for the versions read, and found out at the first failures otherwise.
+def _leak_verdict(kept: bool) -> None:
+    """What the first failures showed of an nbdkit whose source we have not read."""
+    version = nbdkit_compat.version_text(nbdkit_compat.nbdkit_version())
+    log(f"nbdkit {version} keeps every failed request's exception: its references are "
+        f"given back" if kept else f"nbdkit {version} frees failed requests' exceptions")
+
+
+_failures = nbdkit_compat.FailureRaiser(nbdkit.set_error, None, _one_line, _leak_verdict)
 _failures.install()
 
 
 def _peer_pid():
-    """nbdkit_peer_pid() of the current connection (-1 when unknown); Python lacks it."""
+    """The pid of the current connection's client (-1 when unknown, as over TCP).
+    nbdkit.peer_pid() where the Python plugin has it (nbdkit 1.42: ValueError "Unable to
+    get client pid" over TCP); nbdkit 1.32's lacks it, so there the server's own
+    nbdkit_peer_pid() through ctypes (-1 when unknown)."""
+    binding = getattr(nbdkit, "peer_pid", None)
+    if binding is not None:
+        try:
+            return binding()
+        except (ValueError, RuntimeError):
+            return -1
     try:
         return ctypes.CDLL(None).nbdkit_peer_pid()
     except (AttributeError, OSError):

@@ -12,9 +12,10 @@ import sys
 from collections.abc import Mapping, Sequence
 
 from ..errors import ConfigError
-from ..launch import PLUGIN, check_listen, nbdkit_command, plugin_environment
+from ..launch import NBDKIT, PLUGIN, check_listen, nbdkit_command, plugin_environment
 from .config import config_from_pairs, plugin_pairs
 from .device import Device
+from .nbdkit_compat import nbdkit_version, version_text
 
 
 def check_device(pairs: Sequence[tuple[str, str]]):
@@ -69,6 +70,7 @@ def exec_server(pairs: Sequence[tuple[str, str]], listen: Mapping) -> None:
                      f"({device.params.algorithm}, {device.geo.levels} levels, "
                      f"{device.verifier.digester.implementation}, "
                      f"{device.verifier.digester.engine} engine), "
-                     f"{device.trust.describe()}\n")
+                     f"{device.trust.describe()}, on nbdkit "
+                     f"{version_text(nbdkit_version(NBDKIT))}\n")
     sys.stderr.flush()
     os.execve(argv[0], argv, plugin_environment())

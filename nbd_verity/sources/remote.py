@@ -40,6 +40,7 @@ import urllib.parse
 
 from ..errors import ConfigError, ImageIOError, VerityError
 from ..limits import MAX_REQUEST_SIZE
+from . import handles
 from .source import ImageFile
 
 URI_SCHEMES = ("nbd", "nbds", "nbd+unix", "nbds+unix")
@@ -318,18 +319,8 @@ def _is_dead(h) -> bool:
 
 
 def _close(h) -> None:
-    """Disconnect and free a handle now (libnbd 1.14's Python class has no close():
-    __del__ is the close, and it must not run twice)."""
-    import nbd
-    if not hasattr(h, "_o"):
-        return
-    try:
-        if not (h.aio_is_dead() or h.aio_is_closed()):
-            h.shutdown()
-    except nbd.Error:
-        pass
-    h.__del__()
-    del h._o
+    """Disconnect and free a handle now, once, on every libnbd (sources/handles.py)."""
+    handles.close(h)
 
 
 def check_uri(key: str, text: str) -> str:

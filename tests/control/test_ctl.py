@@ -10,6 +10,9 @@ import threading
 import nbd
 import pytest
 
+from nbd_verity.launch import NBDKIT
+from nbd_verity.serve.nbdkit_compat import nbdkit_version, version_text
+
 from .harness import CLASSES, ctl, one_error_line
 
 KIB = 1024
@@ -78,6 +81,8 @@ def test_stats_table_json_and_reset(server, image):
     assert rows[("be", "inline")][2] != "-"  # a latency was measured
     assert all(n == 0 for key, (_, n, _) in rows.items() if key != ("be", "inline"))
     assert "status V" in table.stdout
+    running = version_text(nbdkit_version(NBDKIT))  # the nbdkit that runs the server
+    assert running != "unknown" and f"nbdkit {running}" in table.stdout
 
     raw = ctl(server.control, "stats", "--json")
     assert raw.returncode == 0, raw.stderr
@@ -86,6 +91,7 @@ def test_stats_table_json_and_reset(server, image):
     assert reply["stats"]["classes"]["be"]["inline"]["requests"] == 1
     assert reply["stats"]["classes"]["be"]["inline"]["bytes"] == 64 * KIB
     assert reply["stats"]["thresholds"]["be"] == 65536
+    assert reply["stats"]["nbdkit"] == running
 
     # --reset prints the counters it zeroes; afterwards every row is zero, latencies "-"
     reset = ctl(server.control, "stats", "--reset", "--json")

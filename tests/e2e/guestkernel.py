@@ -1,12 +1,18 @@
 """The guest's kernel and initramfs: Debian's own kernel, unpacked, never installed.
 
 The kernel package is the one Debian's `linux-image-amd64` depends on (6.1.0-N-amd64 on
-Debian 12). `apt-get download` fetches it once into a cache folder and `dpkg-deb -x`
-unpacks it there; the host's /boot and /lib/modules are never touched. The initramfs is
-built from that tree: busybox-static, the modules a run needs with their dependencies
-(read from each module's own .modinfo section, since the host has no depmod), and
-guest/initramfs-init.sh as /init, which loads them, mounts the host's root over 9p
-read-only and hands over to guest/init.sh.
+Debian 12, 6.12.N+deb13-amd64 on Debian 13). `apt-get download` fetches it once into a
+cache folder and `dpkg-deb -x` unpacks it there; the host's /boot and /lib/modules are
+never touched. The initramfs is built from that tree: busybox-static, the modules a run
+needs with their dependencies (read from each module's own .modinfo section, since the
+host has no depmod), and guest/initramfs-init.sh as /init, which loads them, mounts the
+host's root over 9p read-only and hands over to guest/init.sh.
+
+What the kernel builds in (`modules.builtin`: 6.12 builds virtio_pci, virtio and
+virtio_ring in, which 6.1 ships as modules) is not loaded; a built-in's parameters go on
+the kernel command line as `name.key=value` instead. Modules compressed by the package
+(6.12's `.ko.xz`; 6.1's are plain `.ko`) are stored decompressed, since busybox's insmod
+hands the kernel the file's bytes as they are.
 
 Both are cached, keyed by the kernel package and by what went into the initramfs, so a
 machine downloads the kernel once (about 70 MB) and later runs start at once.
@@ -14,8 +20,10 @@ machine downloads the kernel once (about 70 MB) and later runs start at once.
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import io
+import lzma
 import os
 import shutil
 import struct
@@ -60,6 +68,10 @@ class GuestKernel:
 
     @property
     def modules(self) -> Path:
+        """lib/modules/VERSION, under usr/ in a merged-/usr package (Debian 13's)."""
+        for base in (self.root / "lib", self.root / "usr" / "lib"):
+            if (base / "modules" / self.version).is_dir():
+                return base / "modules" / self.version
         return self.root / "lib" / "modules" / self.version
 
     @property
@@ -124,15 +136,54 @@ def kernel_config(kernel: GuestKernel, name: str) -> str | None:
     return None
 
 
+MODULE_SUFFIXES = (".ko", ".ko.xz", ".ko.gz")  # plain, and as Debian's kernels compress
+
+
+def module_name(filename: str) -> str | None:
+    """The module name of a file name (dashes as underscores), or None if not a module."""
+    for suffix in MODULE_SUFFIXES:
+        if filename.endswith(suffix):
+            return filename.removesuffix(suffix).replace("-", "_")
+    return None
+
+
 def module_paths(kernel: GuestKernel) -> dict[str, Path]:
-    """Every module of the kernel by its name (dashes as underscores)."""
-    return {p.name.removesuffix(".ko").replace("-", "_"): p
-            for p in (kernel.modules / "kernel").rglob("*.ko")}
+    """Every module file of the kernel by its module name."""
+    paths = {}
+    for path in (kernel.modules / "kernel").rglob("*.ko*"):
+        name = module_name(path.name)
+        if name is None:
+            raise ValueError(f"{path}: a module compressed in a way the harness cannot read")
+        paths[name] = path
+    return paths
+
+
+def builtin_modules(kernel: GuestKernel) -> frozenset[str]:
+    """The modules the kernel has built in, from its `modules.builtin` (may be absent)."""
+    listing = kernel.modules / "modules.builtin"
+    if not listing.exists():
+        return frozenset()
+    return frozenset(filter(None, (module_name(Path(line.strip()).name)
+                                   for line in listing.read_text().splitlines())))
+
+
+def module_bytes(path: Path) -> bytes:
+    """A module file's ELF bytes, decompressed where the package compressed it."""
+    if path.name.endswith(".xz"):
+        return lzma.decompress(path.read_bytes())
+    if path.name.endswith(".gz"):
+        return gzip.decompress(path.read_bytes())
+    return path.read_bytes()
+
+
+def stored_name(path: Path) -> str:
+    """The name a module has in the initramfs: always a plain .ko."""
+    return path.name.removesuffix(".xz").removesuffix(".gz")
 
 
 def modinfo_depends(path: Path) -> list[str]:
     """The `depends=` field of a module's .modinfo ELF section."""
-    data = path.read_bytes()
+    data = module_bytes(path)
     if data[:4] != b"\x7fELF" or data[4] != 2:
         raise ValueError(f"{path}: not a 64-bit ELF module")
     shoff, = struct.unpack_from("<Q", data, 0x28)
@@ -157,19 +208,21 @@ def modinfo_depends(path: Path) -> list[str]:
 
 
 def load_order(kernel: GuestKernel, wanted=MODULES) -> list[tuple[Path, str]]:
-    """(module file, parameters) for wanted and their dependencies, dependencies first."""
+    """(module file, parameters) for wanted and their dependencies, dependencies first;
+    built-in ones are left out (builtin_parameters gives their parameters)."""
     paths = module_paths(kernel)
+    builtin = builtin_modules(kernel)
     order: list[tuple[Path, str]] = []
     seen: set[str] = set()
 
     def visit(name: str, params: str, stack: tuple[str, ...]) -> None:
         name = name.replace("-", "_")
-        if name in seen:
+        if name in seen or name in builtin:
             return
         if name in stack:
             raise ValueError(f"module dependency loop: {' -> '.join((*stack, name))}")
         if name not in paths:
-            raise ValueError(f"{kernel.package} has no module {name}")
+            raise ValueError(f"{kernel.package} has no module {name}, built in or not")
         for dep in modinfo_depends(paths[name]):
             visit(dep, "", (*stack, name))
         seen.add(name)
@@ -178,6 +231,14 @@ def load_order(kernel: GuestKernel, wanted=MODULES) -> list[tuple[Path, str]]:
     for name, params in wanted:
         visit(name, params, ())
     return order
+
+
+def builtin_parameters(kernel: GuestKernel, wanted=MODULES) -> list[str]:
+    """Kernel command-line words (`name.key=value`) for the parameters of wanted modules
+    that the kernel has built in, where insmod cannot pass them."""
+    builtin = builtin_modules(kernel)
+    return [f"{name.replace('-', '_')}.{param}" for name, params in wanted
+            if name.replace("-", "_") in builtin for param in params.split()]
 
 
 def _cpio_newc(entries: list[tuple[str, int, bytes]]) -> bytes:
@@ -204,7 +265,7 @@ def ensure_initramfs(kernel: GuestKernel, cache: Path | None = None) -> Path:
     order = load_order(kernel)
     init = (GUEST_DIR / "initramfs-init.sh").read_bytes()
     busybox = BUSYBOX.read_bytes()
-    load_list = "".join(f"{p.name} {params}\n" for p, params in order).encode()
+    load_list = "".join(f"{stored_name(p)} {params}\n" for p, params in order).encode()
     key = hashlib.sha256(init + load_list + hashlib.sha256(busybox).digest()
                          + kernel.package.encode()).hexdigest()[:16]
     path = cache / f"initramfs-{kernel.version}-{key}.cpio"
@@ -216,7 +277,7 @@ def ensure_initramfs(kernel: GuestKernel, cache: Path | None = None) -> Path:
                ("newroot", directory, b""),
                ("bin/busybox", 0o100755, busybox), ("init", 0o100755, init),
                ("modules/load", 0o100644, load_list)]
-    entries += [(f"modules/{p.name}", 0o100644, p.read_bytes()) for p, _ in order]
+    entries += [(f"modules/{stored_name(p)}", 0o100644, module_bytes(p)) for p, _ in order]
     tmp = path.with_suffix(".tmp")
     tmp.write_bytes(_cpio_newc(entries))
     tmp.rename(path)

@@ -37,7 +37,13 @@ from pathlib import Path
 
 from nbd_verity.launch import Launched
 
-from .guestkernel import GUEST_DIR, GuestKernel, ensure_initramfs, ensure_kernel
+from .guestkernel import (
+    GUEST_DIR,
+    GuestKernel,
+    builtin_parameters,
+    ensure_initramfs,
+    ensure_kernel,
+)
 
 # The venv's own entry point: the one built from this checkout.
 NBD_VERITY = Path(sys.executable).parent / "nbd-verity"
@@ -314,7 +320,8 @@ def qemu_argv(guest: Guest, disks: Sequence[Path], work: Path,
         accel = "tcg,thread=multi"
     cmdline = " ".join([
         "console=ttyS0", "quiet", "panic=-1", "oops=panic",
-        f"E2E_INIT={GUEST_DIR / 'init.sh'}", f"E2E_WORK={work}"])
+        f"E2E_INIT={GUEST_DIR / 'init.sh'}", f"E2E_WORK={work}",
+        *builtin_parameters(guest.kernel)])
     # One rule per port: each guest connection to 10.0.2.100:PORT runs its own socat to
     # the server's Unix socket. restrict=on: no other traffic in or out.
     forwards = "".join(

@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+import gzip
 import hashlib
+import lzma
 import socket
+import struct
 from pathlib import Path
 
 import pytest
 
+from .guestkernel import (
+    GuestKernel,
+    builtin_modules,
+    builtin_parameters,
+    load_order,
+    module_bytes,
+    stored_name,
+)
 from .harness import GuestFailed, Server, boot_guest, guest_run
 from .images import level0_hash_block, random_file, verity_format
 
@@ -67,3 +78,52 @@ nbd_detach nbd0
             listener.accept()  # nothing ever arrived
     finally:
         listener.close()
+
+
+def fake_module(depends: str) -> bytes:
+    """The smallest 64-bit ELF that guestkernel reads: a .shstrtab and a .modinfo."""
+    names = b"\0.shstrtab\0.modinfo\0"
+    modinfo = f"license=GPL\0depends={depends}\0".encode()
+    shoff = 64 + len(names) + len(modinfo)
+    shoff += -shoff % 8
+    header = bytearray(64)
+    header[:5] = b"\x7fELF\x02"
+    struct.pack_into("<Q", header, 0x28, shoff)
+    struct.pack_into("<HHH", header, 0x3A, 64, 3, 1)  # entry size, count, .shstrtab's index
+
+    def section(name: int, kind: int, offset: int, size: int) -> bytes:
+        return struct.pack("<IIQQQQ", name, kind, 0, 0, offset, size).ljust(64, b"\0")
+
+    body = bytes(header) + names + modinfo
+    return (body.ljust(shoff, b"\0") + bytes(64) + section(1, 3, 64, len(names))
+            + section(11, 1, 64 + len(names), len(modinfo)))
+
+
+def test_built_in_drivers_are_not_loaded_and_compressed_modules_are_unpacked(tmp_path):
+    """As in Debian 13's 6.12: merged /usr, virtio_pci and nbd built in (nbd only here, for
+    its parameter), modules in .ko.xz; plain .ko and .ko.gz as well."""
+    version = "6.12.0-test-amd64"
+    modules = tmp_path / "usr" / "lib" / "modules" / version
+    (modules / "kernel" / "drivers").mkdir(parents=True)
+    (modules / "modules.builtin").write_text(
+        "kernel/drivers/virtio/virtio_pci.ko\nkernel/drivers/block/nbd.ko\n")
+    (modules / "kernel" / "drivers" / "dm-verity.ko.xz").write_bytes(
+        lzma.compress(fake_module("dm-bufio,virtio_pci"), format=lzma.FORMAT_XZ))
+    (modules / "kernel" / "drivers" / "dm-bufio.ko").write_bytes(fake_module("dm-mod"))
+    (modules / "kernel" / "drivers" / "dm-mod.ko.gz").write_bytes(
+        gzip.compress(fake_module("")))
+    kernel = GuestKernel(package=f"linux-image-{version}", version=version, root=tmp_path)
+    wanted = (("virtio_pci", ""), ("nbd", "nbds_max=16 max_part=0"), ("dm-verity", ""))
+
+    assert kernel.modules == modules
+    assert builtin_modules(kernel) == {"virtio_pci", "nbd"}
+    order = load_order(kernel, wanted)
+    assert [stored_name(path) for path, _ in order] == ["dm-mod.ko", "dm-bufio.ko",
+                                                         "dm-verity.ko"]
+    assert all(module_bytes(path)[:4] == b"\x7fELF" for path, _ in order)
+    assert builtin_parameters(kernel, wanted) == ["nbd.nbds_max=16", "nbd.max_part=0"]
+    with pytest.raises(ValueError, match="has no module loop, built in or not"):
+        load_order(kernel, (("loop", ""),))
+    (modules / "kernel" / "drivers" / "ext4.ko.zst").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"ext4\.ko\.zst: a module compressed in a way"):
+        load_order(kernel, wanted)

@@ -68,11 +68,14 @@ def make_filesystem(directory: Path) -> Path:
 
 
 def write_definitions(directory: Path, fs: Path, designator: str, signed: bool) -> Path:
-    """repart.d: data (CopyBlocks), its verity partition and, if signed, the signature."""
+    """repart.d: data (CopyBlocks), its verity partition and, if signed, the signature.
+    Data and verity are at least 10 MiB, repart 252's default minimum: repart 257 (Debian
+    13) otherwise sizes the verity partition of --size=auto below the tree it then writes
+    ("Cannot seek to requested position in hash device"), and both give one layout."""
     defs = directory / "repart.d"
     defs.mkdir()
-    roles = [("10", designator, "data", f"CopyBlocks={fs}\n"),
-             ("20", f"{designator}-verity", "hash", "")]
+    roles = [("10", designator, "data", f"CopyBlocks={fs}\nSizeMinBytes=10M\n"),
+             ("20", f"{designator}-verity", "hash", "SizeMinBytes=10M\n")]
     if signed:
         roles.append(("30", f"{designator}-verity-sig", "signature", ""))
     for prefix, kind, verity, extra in roles:

@@ -12,7 +12,6 @@ geometry bug cannot hide itself.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import hashlib
 import os
@@ -32,6 +31,7 @@ import pytest
 
 from nbd_verity.control.protocol import checked_request
 from nbd_verity.launch import Launched, run_to_end
+from nbd_verity.sources import handles
 
 from ..damage import flip_byte, write_at  # noqa: F401  (re-exported to the tests)
 
@@ -235,14 +235,8 @@ def expect_eio(h, count: int, offset: int) -> nbd.Error:
 
 
 def close_handle(h) -> None:
-    """Disconnect and free a libnbd handle now (this libnbd's Python class has no close():
-    __del__ is the close, and it must not run twice)."""
-    if not hasattr(h, "_o"):
-        return
-    with contextlib.suppress(nbd.Error):
-        h.shutdown()
-    h.__del__()
-    del h._o
+    """Disconnect and free a libnbd handle now, once, on every libnbd (sources/handles.py)."""
+    handles.close(h)
 
 
 # -- servers --------------------------------------------------------------------------

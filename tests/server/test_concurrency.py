@@ -16,6 +16,8 @@ import threading
 import nbd
 import pytest
 
+from nbd_verity.sources import handles
+
 from .serverlib import close_handle, raw_connect, raw_read_reply, raw_read_request
 
 FIO = shutil.which("fio") or "/usr/bin/fio"
@@ -130,8 +132,7 @@ def test_client_vanishing_mid_request_leaves_the_server_serving(default_image, s
 
 def close_handle_now(h) -> None:
     """Drop a libnbd handle with a request still in flight (no NBD_CMD_DISC first)."""
-    h.__del__()
-    del h._o
+    handles.close(h, disconnect=False)
 
 
 def test_many_sequential_connections(default_image, servers):

@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 
 from nbd_verity.format.digest import engine_name
-from nbd_verity.launch import run_to_end
+from nbd_verity.launch import NBDKIT, run_to_end
+from nbd_verity.serve.nbdkit_compat import nbdkit_version, version_text
 
 from .serverlib import (
     DEFAULT_ENGINE,
@@ -76,12 +77,16 @@ def test_both_engines_read_a_format0_sha1_image(servers, tmp_path):
 
 @pytest.mark.parametrize("engine", ENGINES, indirect=True)
 def test_version_and_start_up_line_name_the_engine(default_image, servers, engine):
-    """`nbd-verity --version` and serve's start-up line say which engine hashes."""
+    """`nbd-verity --version` and serve's start-up line say which engine hashes, and on
+    which nbdkit."""
     server = servers.serve_cli([str(default_image.data), str(default_image.hash),
                                 default_image.root])
     assert f", {engine} engine)" in server.log(), server.log()
+    running = version_text(nbdkit_version(NBDKIT))
+    assert running != "unknown" and f"on nbdkit {running}\n" in server.log(), server.log()
     done = run_to_end([NBD_VERITY, "--version"], env=server_env(engine))
     assert done.returncode == 0, done.stderr
     expected = "hashing engine: native (OpenSSL " if engine == "native" else \
         "hashing engine: python"
     assert expected in done.stdout
+    assert f"\nnbdkit: {running} ({NBDKIT})\n" in done.stdout, done.stdout

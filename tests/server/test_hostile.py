@@ -12,10 +12,11 @@ import nbd
 import pytest
 
 from nbd_verity.limits import MAX_REQUEST_SIZE
-from nbd_verity.serve.nbdkit_compat import has_send_race, nbdkit_version
+from nbd_verity.serve.nbdkit_compat import has_send_race, leaks_failures, nbdkit_version
 
 from .serverlib import (
     MIB,
+    NBDKIT,
     error_number,
     expect_eio,
     flip_byte,
@@ -62,11 +63,25 @@ def test_clients_leaving_with_reads_in_flight_cannot_stop_the_server(default_ima
     assert "Assertion" not in server.log()
 
 
-def test_parallel_is_an_opt_in_with_a_warning(default_image, servers):
+def test_parallel_warns_where_nbdkit_aborts_and_takes_the_same_clients_where_fixed(
+        default_image, servers):
+    """On nbdkit 1.32 (the race) parallel is an opt-in with a warning; from 1.34 on (1.42
+    on Debian 13) no warning, and the 800 clients of the test above cannot stop it."""
     server = servers.start(default_image, thread_model="parallel")
     assert server.connect().pread(4096, 0) == default_image.expected(0, 4096)
     warned = "any client can stop this server" in server.log()
-    assert warned == has_send_race(nbdkit_version("/usr/sbin/nbdkit"))
+    racy = has_send_race(nbdkit_version(NBDKIT))
+    assert warned == racy
+    if racy:
+        return  # the reproducer aborts it within a dozen clients: nothing more to hold
+    for size in SIZES:
+        for in_flight in IN_FLIGHT:
+            for _ in range(ROUNDS):
+                leave_with_reads_in_flight(str(server.socket), size, in_flight)
+            assert server.alive(), f"died at size {size}, {in_flight} in flight:\n" \
+                                   f"{server.log()[-2000:]}"
+    assert server.connect().pread(default_image.size, 0) == default_image.expected()
+    assert "Assertion" not in server.log()
 
 
 @pytest.fixture(scope="module")
@@ -114,6 +129,11 @@ def test_20000_failed_reads_leave_rss_flat(damaged, servers):
     grown = rss_kib(server.pid) - before
     assert grown < 10 * 1024, f"RSS grew {grown} KiB over 20,000 failed reads"
     assert h.pread(dbs, 0) == damaged.expected(0, dbs)
+    # Known to leak (1.32): given back from the first failure, nothing to find out. Any
+    # other version (1.42): the first failures found out that nbdkit keeps them.
+    version = nbdkit_version(NBDKIT)
+    found = "keeps every failed request's exception: its references are given back"
+    assert (found in server.log()) == (leaks_failures(version) is None), server.log()[-2000:]
 
 
 def test_log_lines_are_bounded_and_summarised(damaged, servers):

@@ -4,9 +4,16 @@ nbdkit version rules (nbdkit_compat)."""
 from __future__ import annotations
 
 import os
+import subprocess
 
 from nbd_verity import logbound
-from nbd_verity.serve.nbdkit_compat import has_send_race, leaks_failures, parse_version
+from nbd_verity.launch import NBDKIT
+from nbd_verity.serve.nbdkit_compat import (
+    has_send_race,
+    leaks_failures,
+    nbdkit_version,
+    parse_version,
+)
 
 
 class Clock:
@@ -56,7 +63,20 @@ def test_nbdkit_error_lines_are_limited_and_others_pass():
 def test_nbdkit_versions():
     assert parse_version("binary=/usr/bin/nbdkit\nversion=1.32.5\n") == (1, 32, 5)
     assert parse_version("") is None
+    dump_1_42 = ("binary=/usr/bin/nbdkit\nbindir=/usr/bin\nsbindir=/usr/bin\n"
+                 "version=1.42.3\nversion_major=1\nversion_minor=42\nzstd=yes\n")
+    assert parse_version(dump_1_42) == (1, 42, 3)  # Debian 13's, in /usr/bin
+    assert not has_send_race((1, 42, 3)) and leaks_failures((1, 42, 3)) is None
     assert has_send_race((1, 32, 5)) and has_send_race((1, 33, 9)) and has_send_race(None)
     assert not has_send_race((1, 34, 0)) and not has_send_race((1, 30, 0))
-    assert leaks_failures((1, 32, 5)) and not leaks_failures((1, 34, 0))
-    assert not leaks_failures(None)  # unknown: no Py_DecRef, only frames cleared
+    assert leaks_failures((1, 32, 5)) is True and leaks_failures((1, 34, 0)) is None
+    assert leaks_failures(None) is None  # unknown: found out at the first failures
+
+
+def test_nbdkit_version_is_asked_of_each_binary(tmp_path):
+    """One answer per binary: a missing one says None without hiding the real one."""
+    assert nbdkit_version(str(tmp_path / "no-nbdkit")) is None
+    dumped = subprocess.run([NBDKIT, "--dump-config"], capture_output=True, text=True,
+                            check=True).stdout
+    assert parse_version(dumped) is not None
+    assert nbdkit_version(NBDKIT) == parse_version(dumped)

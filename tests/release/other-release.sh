@@ -1,0 +1,171 @@
+#!/usr/bin/env bash
+# `make test-other-release`: `make test` of a fresh clone of HEAD on the other supported
+# Debian release (13 on a Debian 12 host, 12 on a Debian 13 host), in a chroot.
+#
+# The tree is made once per machine with debootstrap (minbase plus git, make,
+# ca-certificates, python3, sudo: what a new user starts from) into
+# /var/cache/nbd-verity/release/CODENAME (NBD_VERITY_RELEASE_CACHE to move it), with the
+# host's apt sources for that release and the host's apt settings (Acquire::...), so apt
+# inside reaches the same registry. Everything `make setup` installs inside stays in the
+# tree: later runs find it there, and `make setup` only checks. The e2e kernel cache is the
+# tree's own /var/cache/nbd-verity/e2e, so the guests boot the other release's kernel.
+#
+# Each run: /proc, /sys, /dev (with /dev/pts and /dev/shm) bound in, tmpfs on /tmp and
+# /run, a fresh `git clone` of HEAD in /work/nbd-verity, `make test` there. Whatever happens
+# (failure, signal), the trap ends every process whose root is the tree, by pid, and
+# unmounts what this run mounted. Exit status: that of `make test` inside.
+#
+# With arguments, they go to pytest instead of `make test` (after `make setup`), for a
+# targeted run: tests/release/other-release.sh tests/server/test_hostile.py -x
+set -euo pipefail
+
+repo=$(cd "$(dirname "$0")/../.." && pwd)
+host=$(. /etc/os-release && echo "${VERSION_CODENAME:-}")
+case "$host" in
+    bookworm) other=trixie ;;
+    trixie) other=bookworm ;;
+    *) echo "other-release: host release '$host' is neither bookworm nor trixie" >&2; exit 2 ;;
+esac
+cache=${NBD_VERITY_RELEASE_CACHE:-/var/cache/nbd-verity/release}
+root=$cache/$other
+
+log() { echo "other-release ($other): $*"; }
+
+# Every process whose root directory is the tree: started inside the chroot.
+inside_pids() {
+    local proc pid
+    for proc in /proc/[0-9]*; do
+        pid=${proc#/proc/}
+        [ "$pid" = $$ ] && continue
+        [ "$(readlink "$proc/root" 2>/dev/null)" = "$root" ] && echo "$pid"
+    done
+    return 0
+}
+
+end_inside() {
+    local pids pid
+    pids=$(inside_pids)
+    [ -z "$pids" ] && return 0
+    log "ending processes left in the tree: $(echo $pids)"
+    for pid in $pids; do kill -TERM "$pid" 2>/dev/null || true; done
+    for _ in 1 2 3 4 5 6 7 8 9 10; do
+        [ -z "$(inside_pids)" ] && return 0
+        sleep 0.5
+    done
+    for pid in $(inside_pids); do kill -KILL "$pid" 2>/dev/null || true; done
+}
+
+# Mount points under the tree, deepest first (also those a killed earlier run left).
+mounts_under() {
+    awk -v r="$1" '$2 == r || index($2, r "/") == 1 { print $2 }' /proc/self/mounts | sort -r
+}
+
+cleanup() {
+    local status=$? point
+    trap - EXIT INT TERM HUP
+    end_inside
+    for point in $(mounts_under "$root"); do
+        umount "$point" 2>/dev/null || umount -l "$point" || true
+    done
+    exit "$status"
+}
+
+# Base tree: debootstrap into .partial, renamed when complete (a broken download is redone).
+build_tree() {
+    local partial=$root.partial point
+    for point in $(mounts_under "$partial"); do umount -l "$point" || true; done
+    rm -rf --one-file-system "$partial"
+    command -v debootstrap >/dev/null || {
+        log "installing debootstrap"
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap
+    }
+    local mirror
+    mirror=$(awk '/^URIs:/ { print $2; exit }' /etc/apt/sources.list.d/debian.sources 2>/dev/null \
+             || true)
+    log "debootstrap into $root (once per machine)"
+    mkdir -p "$cache"
+    debootstrap --variant=minbase --include=git,make,ca-certificates,python3,sudo \
+        "$other" "$partial" "${mirror:-http://deb.debian.org/debian}" > "$cache/$other.log" 2>&1 \
+        || { tail -20 "$cache/$other.log" >&2; log "debootstrap failed (log: $cache/$other.log)";
+             exit 1; }
+    for point in $(mounts_under "$partial"); do umount -l "$point" || true; done
+    mv "$partial" "$root"
+}
+
+# The host's apt sources for the other release, its Acquire settings, its resolver.
+configure_tree() {
+    local source file copied=0
+    mkdir -p "$root/etc/apt/sources.list.d" "$root/etc/apt/apt.conf.d"
+    for source in /etc/apt/sources.list.d/*.sources /etc/apt/sources.list; do
+        [ -f "$source" ] && grep -qw "$host" "$source" || continue
+        sed "s/\b$host\b/$other/g" "$source" > "$root/etc/apt/sources.list.d/$(basename "$source")"
+        copied=1
+    done
+    # debootstrap's own sources.list (its mirror, main only) stays if the host names no suite
+    if [ "$copied" = 1 ] && [ -f "$root/etc/apt/sources.list.d/sources.list" ]; then
+        mv "$root/etc/apt/sources.list.d/sources.list" "$root/etc/apt/sources.list"
+    elif [ "$copied" = 1 ]; then
+        rm -f "$root/etc/apt/sources.list"
+    fi
+    for file in /etc/apt/apt.conf.d/*; do
+        grep -q '^[[:space:]]*Acquire' "$file" 2>/dev/null && cp "$file" "$root/etc/apt/apt.conf.d/"
+    done
+    cp -L /etc/resolv.conf "$root/etc/resolv.conf"
+    cp /etc/hosts "$root/etc/hosts"
+    # The certificate authorities the host added, and how pip reaches its index: the
+    # same registry from inside. Local wheel folders (find-links, file:// indexes) stay out.
+    if [ -d /usr/local/share/ca-certificates ]; then
+        mkdir -p "$root/usr/local/share/ca-certificates"
+        cp -r /usr/local/share/ca-certificates/. "$root/usr/local/share/ca-certificates/"
+        chroot "$root" /usr/sbin/update-ca-certificates > /dev/null 2>&1 || true
+    fi
+    if [ -f /etc/pip.conf ]; then
+        grep -E '^\[|^[[:space:]]*(index-url|cert|trusted-host|proxy|timeout)[[:space:]]*=' \
+            /etc/pip.conf | grep -v 'file://' > "$root/etc/pip.conf" || true
+    fi
+}
+
+mount_in() {
+    mkdir -p "$2"
+    mount "${@:3}" "$1" "$2"
+}
+
+main() {
+    mkdir -p "$cache"
+    exec 9> "$cache/$other.lock"
+    flock -n 9 || { log "another run holds $cache/$other.lock"; exit 1; }
+    trap cleanup EXIT
+    trap 'exit 130' INT
+    trap 'exit 143' TERM HUP
+    local point start=$SECONDS
+    end_inside
+    for point in $(mounts_under "$root"); do umount -l "$point" || true; done
+    [ -x "$root/usr/bin/make" ] || build_tree
+    configure_tree
+    mount_in /proc "$root/proc" --bind
+    mount_in /sys "$root/sys" --rbind
+    mount --make-rslave "$root/sys"
+    mount_in /dev "$root/dev" --rbind
+    mount --make-rslave "$root/dev"
+    mount_in tmpfs "$root/tmp" -t tmpfs -o mode=1777
+    mount_in tmpfs "$root/run" -t tmpfs -o mode=755
+    rm -rf --one-file-system "$root/work/nbd-verity"
+    mkdir -p "$root/work"
+    git clone -q --no-hardlinks "$repo" "$root/work/nbd-verity"
+    git -C "$root/work/nbd-verity" checkout -q --detach "$(git -C "$repo" rev-parse HEAD)"
+    log "make test in a clone of $(git -C "$repo" rev-parse --short HEAD)," \
+        "tree ready after $((SECONDS - start)) s"
+    local status=0 run="make test"
+    [ $# -gt 0 ] && run="make setup && .venv/bin/python -m pytest $(printf '%q ' "$@")"
+    # In the background, waited for: a signal to this script ends the wait at once (bash
+    # runs traps only between commands), and the EXIT trap then ends what runs inside.
+    chroot "$root" /usr/bin/env -i HOME=/root LANG=C.UTF-8 TERM="${TERM:-dumb}" \
+        PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin CI="${CI:-}" \
+        /bin/bash -c "cd /work/nbd-verity && echo \"Debian \$(cat /etc/debian_version)\" && $run" \
+        < /dev/null &
+    wait $! || status=$?
+    log "${run##*&& } exited $status after $((SECONDS - start)) s"
+    return "$status"
+}
+
+main "$@"; exit $?  # one line: bash has read it whole before running it
