@@ -39,6 +39,7 @@ from .config import ServerConfig, config_from_pairs, parse_size
 from .device import Connection, Device, Hooks, Shared
 from .exportfile import export_files, read_export_file
 from .image import image_pairs
+from .nbdkit_compat import nbdkit_version, version_text
 from .pool import ClassPool
 
 
@@ -302,7 +303,8 @@ class ExportSet:
     def stats(self) -> dict:
         return {"exports": {name: e.device.stats() for name, e in sorted(self._exports.items())},
                 "thresholds": table_dict(self.dispatcher.table), "workers": self.workers,
-                "calibration": self.calibration_dict()}
+                "calibration": self.calibration_dict(),
+                "nbdkit": version_text(nbdkit_version())}  # the nbdkit running us
 
     def reset_stats(self) -> None:
         for export in list(self._exports.values()):
