@@ -21,8 +21,8 @@ def thread_nices(pid: int) -> dict[int, int]:
         try:
             with open(f"/proc/{pid}/task/{tid}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
-        except FileNotFoundError:
-            continue  # the thread ended meanwhile
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # the thread ended meanwhile (between the listing and the read)
         out[int(tid)] = int(fields[16])  # after "pid (comm)": state is field 3, nice 19
     return out
 
