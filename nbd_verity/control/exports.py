@@ -14,7 +14,7 @@ Thresholds are the server's, one table for every export.
 
 from __future__ import annotations
 
-from .protocol import Control, ProtocolError, _field
+from .protocol import Control, _field
 
 FIELDS = {
     "thresholds": {"cmd", "set", "preset"},
@@ -27,17 +27,7 @@ FIELDS = {
 class ExportsControl(Control):
     """Answers control requests against an ExportSet (no sockets here)."""
 
-    def handle(self, request: dict) -> dict:
-        command = _field(request, "cmd", str)
-        names = ", ".join(FIELDS)
-        if command is None:
-            raise ProtocolError(f"cmd: missing ({names})")
-        if command not in FIELDS:
-            raise ProtocolError(f"cmd: unknown command {command!r} ({names})")
-        unknown = set(request) - FIELDS[command]
-        if unknown:
-            raise ProtocolError(f"unknown field(s): {', '.join(sorted(unknown))}")
-        return getattr(self, f"_{command}")(request)
+    FIELDS = FIELDS
 
     def _stats(self, request: dict) -> dict:
         name = _field(request, "export", str)

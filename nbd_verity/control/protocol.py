@@ -152,6 +152,8 @@ def nesting_depth(line: bytes) -> int:
 class Control:
     """Answers control requests against one Device (no sockets here)."""
 
+    FIELDS = _FIELDS  # the commands and the fields each accepts (a subclass widens them)
+
     def __init__(self, device) -> None:
         self.device = device
         self._lock = threading.Lock()
@@ -179,11 +181,12 @@ class Control:
 
     def handle(self, request: dict) -> dict:
         command = _field(request, "cmd", str)
+        names = ", ".join(self.FIELDS)
         if command is None:
-            raise ProtocolError("cmd: missing (thresholds, stats, status)")
-        if command not in _FIELDS:
-            raise ProtocolError(f"cmd: unknown command {command!r} (thresholds, stats, status)")
-        unknown = set(request) - _FIELDS[command]
+            raise ProtocolError(f"cmd: missing ({names})")
+        if command not in self.FIELDS:
+            raise ProtocolError(f"cmd: unknown command {command!r} ({names})")
+        unknown = set(request) - self.FIELDS[command]
         if unknown:
             raise ProtocolError(f"unknown field(s): {', '.join(sorted(unknown))}")
         return getattr(self, f"_{command}")(request)

@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import os
 import re
-import stat
 from dataclasses import dataclass, field
 
 from ..errors import ConfigError
+from ..sources.source import read_small_file
 
 KEYS = ("DATA", "HASH", "ROOT_HASH", "ARGS", "NBD_DEVICE", "ATTACH_ARGS")
 MAX_EXPORT_FILE = 64 << 10  # bytes: a handful of lines
@@ -145,22 +145,7 @@ def _beside(base: str, location: str | None) -> str | None:
 
 def _read_text(path: str) -> str:
     """The file's text: a regular file (a FIFO is never opened), UTF-8, at most 64 KiB."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
-    except OSError as e:
-        raise ConfigError(f"{path}: {e.strerror}") from None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ConfigError(f"{path}: not a regular file")
-        os.set_blocking(fd, True)
-        with os.fdopen(fd, "rb", closefd=False) as f:
-            blob = f.read(MAX_EXPORT_FILE + 1)
-    except OSError as e:
-        raise ConfigError(f"{path}: {e.strerror}") from None
-    finally:
-        os.close(fd)
-    if len(blob) > MAX_EXPORT_FILE:
-        raise ConfigError(f"{path}: larger than {MAX_EXPORT_FILE} bytes")
+    blob = read_small_file(path, MAX_EXPORT_FILE, ConfigError)
     try:
         return blob.decode("utf-8")
     except UnicodeDecodeError:
