@@ -25,6 +25,7 @@ from ..log import log
 from ..sources.remote import is_uri, open_source
 from ..trust.root import TrustedRoot, resolve_root
 from . import fastpath, threadstate
+from .gate import gate
 from .cache import HashBlockCache
 from .calibrate import Calibration, calibrate
 from .config import ServerConfig, parse_size
@@ -163,6 +164,7 @@ class Device:
                 "workers": self.dispatcher.workers,
                 "pinned": [CLASSES[c] for c in sorted(self.dispatcher.pinned)],
                 "busy_inline": self.dispatcher.busy_inline(),
+                "class_gate": gate.snapshot(),  # the server's, shared by its exports
                 "chunk_size": self.dispatcher.chunk_size, "fast_path": self.fast_path,
                 "kept_thread_states": threadstate.kept(), "calibration": self.calibration_dict(),
                 "nbdkit": version_text(nbdkit_version())}  # the nbdkit running us

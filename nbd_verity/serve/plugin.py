@@ -31,7 +31,7 @@ from nbd_verity import logbound
 from nbd_verity.errors import ConfigError, CorruptionError, ImageIOError, VerityError
 from nbd_verity.limits import MAX_REQUEST_SIZE
 from nbd_verity.log import log
-from nbd_verity.serve import device, nbdkit_compat, priority, threadstate
+from nbd_verity.serve import device, gate, nbdkit_compat, priority, threadstate
 from nbd_verity.serve.config import (
     PARALLEL,
     RESTART_ON_CORRUPTION,
@@ -57,6 +57,7 @@ _failed_reads = [0]  # requests answered with an error, for the log summary
 _failed_lock = threading.Lock()
 _keep = threadstate.keep
 _priority = priority.apply
+_gate = gate.gate
 
 
 def _one_line(exc, value=None, tb=None, **kwargs):
@@ -216,8 +217,11 @@ def open(readonly):
     problem = None
     try:
         if _exports is not None:
-            return _exports.open(nbdkit.export_name())
-        return device.Connection.open(_device)
+            h = _exports.open(nbdkit.export_name())
+        else:
+            h = device.Connection.open(_device)
+        _gate.opened(h.io_class)  # ranked against the other connections (serve/gate.py)
+        return h
     except ConfigError as e:  # an unknown class in the export name, or export
         problem = str(e)
         errnum = errno.ENOENT if _exports is not None and "not served" in problem \
@@ -226,6 +230,7 @@ def open(readonly):
 
 
 def close(h):
+    _gate.closed(h.io_class)
     threadstate.release()  # this thread's kept state, when requests ran on it (threadstate.py)
     export = getattr(h, "export", None)
     if export is not None:
@@ -259,9 +264,15 @@ def is_rotational(h):
 def pread(h, buf, offset, flags):
     _keep()  # from the second request of a thread on: no new Python thread state
     _priority(h.io_class)  # this thread at its connection's class (a compare when it is)
-    if h.fast(buf, offset):  # the common request, in one frame more (serve/fastpath.py)
+    if _gate.enter(h.io_class):  # waits while a better class is busy (serve/gate.py)
+        try:
+            problem = None if h.fast(buf, offset) else _read(h, buf, offset)
+        finally:
+            _gate.leave(h.io_class)
+    elif h.fast(buf, offset):  # the common request, in one frame more (serve/fastpath.py)
         return
-    problem = _read(h, buf, offset)
+    else:
+        problem = _read(h, buf, offset)
     if problem is not None:
         with _failed_lock:
             _failed_reads[0] += 1

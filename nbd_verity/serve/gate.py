@@ -1,0 +1,145 @@
+"""The class gate: a request waits, before it does any work, while a better class is busy.
+
+Nice values (priority.py) rank the CPU and the pool's queue ranks chunks, but one server
+is one process: its connections share the GIL, the page cache's copies and the pool, and a
+bulk load of a worse class still takes them from a better class's small reads (measured,
+docs/benchmarks.md: a be reader's p99 16x its p99 alone beside an idle bulk load, with
+nice 19 and the ranked queue). So the server ranks whole requests too, as the block
+layer's schedulers do: idle is served only when nobody else wants the disk, and rt goes
+before be.
+
+- RANK: rt 0, be and none 1, idle 2 (the pool's ranks, pool.RANK).
+- A request waits at its start, with the GIL released (a condition variable), while a
+  connection of a better rank has a request in flight or finished one less than QUIET_S
+  ago (a QD1 reader's next request follows its last within microseconds). Requests in
+  flight are never stopped; the pool's queue orders their chunks.
+- The bound: no request waits here longer than WAIT_S (1 s), however busy the better
+  classes stay. After that it runs, at its own class's CPU priority and queue rank, so
+  an idle load beside a constant be load still completes about one request per
+  connection per second. Nothing waits when no better class is connected: an idle load
+  alone runs as a be load does.
+- QUIET_S is 8 ms, as BFQ's slice_idle: how long the block layer waits for a sync
+  queue's next request before it serves another. NBD_VERITY_CLASS_PRIORITY=0 turns the
+  gate off with the nice values (priority.py): nothing is counted, nothing waits.
+- What it costs when it has nothing to rank: a request of a rank with no better
+  connection open and no worse one to warn looks at two counts and takes no lock.
+
+Counts of open connections per rank change under the lock; the per-request path reads
+them without it (a stale count costs one request one needless look or one missed wait).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from . import priority
+
+RANK = (1, 0, 1, 2)  # by class index (none, rt, be, idle), as pool.RANK
+RANKS = 3
+QUIET_S = 0.008  # a better rank stays busy this long after its last request ended
+WAIT_S = 1.0  # the most any request waits here (the bound docs/control.md states)
+
+
+class ClassGate:
+    """One per server process: every export's connections are ranked together, as they
+    share its CPU, its GIL and its pool."""
+
+    def __init__(self, quiet_s: float = QUIET_S, wait_s: float = WAIT_S,
+                 enabled: bool = True) -> None:
+        self.enabled = enabled  # off: connections are not counted, so nothing waits
+        self.quiet_s = quiet_s
+        self.wait_s = wait_s
+        self._cond = threading.Condition(threading.Lock())
+        self._open = [0] * RANKS  # connections open, per rank
+        self._active = [0] * RANKS  # requests in flight, per rank (counted only when a
+        self._ended = [0.0] * RANKS  # worse rank is open); the last one's end, monotonic
+        self._waiting = 0
+        self.waits = [0] * RANKS  # requests that waited, per rank (ctl stats)
+        self.aged = [0] * RANKS  # of which ran because they had waited wait_s
+        self.waited_s = [0.0] * RANKS  # time spent waiting, per rank
+
+    # -- connections --------------------------------------------------------------------
+
+    def opened(self, io_class: int) -> None:
+        if not self.enabled:
+            return
+        with self._cond:
+            self._open[RANK[io_class]] += 1
+
+    def closed(self, io_class: int) -> None:
+        if not self.enabled:
+            return
+        with self._cond:
+            self._open[RANK[io_class]] -= 1
+            self._cond.notify_all()  # a better rank gone: its waiters look again
+
+    # -- requests -----------------------------------------------------------------------
+
+    def enter(self, io_class: int) -> bool:
+        """Wait while a better rank is busy (at most wait_s); True when this request must
+        call leave(): a worse rank is open and watches this one."""
+        rank = RANK[io_class]
+        opened = self._open
+        if rank and (opened[0] or (rank == 2 and opened[1])):
+            self._wait(rank)
+        if rank == 2 or not (opened[2] or (rank == 0 and opened[1])):
+            return False
+        with self._cond:
+            self._active[rank] += 1
+        return True
+
+    def leave(self, io_class: int) -> None:
+        rank = RANK[io_class]
+        with self._cond:
+            self._active[rank] -= 1
+            self._ended[rank] = time.monotonic()
+            if self._waiting and not self._active[rank]:
+                self._cond.notify_all()
+
+    def _busy_until(self, rank: int, now: float) -> float | None:
+        """Until when a better rank than rank counts as busy (None: it is in flight);
+        a time <= now when none is."""
+        until = 0.0
+        for better in range(rank):
+            if self._active[better]:
+                return None
+            until = max(until, self._ended[better] + self.quiet_s)
+        return until
+
+    def _wait(self, rank: int) -> None:
+        with self._cond:
+            now = time.monotonic()
+            until = self._busy_until(rank, now)
+            if until is not None and until <= now:
+                return
+            started = now
+            deadline = now + self.wait_s
+            self._waiting += 1
+            try:
+                while True:
+                    timeout = deadline - now if until is None else min(deadline, until) - now
+                    self._cond.wait(timeout)
+                    now = time.monotonic()
+                    until = self._busy_until(rank, now)
+                    if until is not None and until <= now:
+                        break
+                    if now >= deadline:
+                        self.aged[rank] += 1
+                        break
+            finally:
+                self._waiting -= 1
+                self.waits[rank] += 1
+                self.waited_s[rank] += now - started
+
+    def snapshot(self) -> dict:
+        """Per rank: connections open, requests that waited, of which aged, seconds."""
+        with self._cond:
+            names = ("rt", "be", "idle")
+            return {names[r]: {"connections": self._open[r], "waited": self.waits[r],
+                               "aged": self.aged[r],
+                               "waited_s": round(self.waited_s[r], 3)}
+                    for r in range(RANKS)}
+
+
+gate = ClassGate(enabled=priority.enabled())  # the server's (plugin.py); tests make their own
