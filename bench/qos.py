@@ -13,7 +13,12 @@ x1 and x4 (fio, nbd engine): the default server's MB/s against each fixed table 
 inline, all pool, 64K, 256K, 1M, set with `ctl thresholds`: pinned). Target: the default
 >= 0.95 of the best fixed table for each workload.
 
-    python bench/qos.py [ROUNDS [SECONDS]]      (default 3 5; make bench runs it)
+With --baseline DIR (a checkout of an earlier main, its extensions built in place:
+`python setup.py build_ext --inplace` there), a server of that checkout on its own
+default table runs each dispatch workload in the same rounds, just after this one's
+default: the "no workload slower than before" column.
+
+    python bench/qos.py [ROUNDS [SECONDS]] [--baseline DIR]   (default 3 5; make bench)
 """
 
 from __future__ import annotations
@@ -104,13 +109,16 @@ def set_table(server, name: str | None) -> None:
         server.ctl({"cmd": "thresholds", "set": {c: TABLES[name] for c in CLASSES}})
 
 
-def dispatch_round(server, seconds: float, out: dict) -> None:
+def dispatch_round(server, seconds: float, out: dict, baseline=None) -> None:
     for job in WORKLOADS:
         timed = fiorun.Job(job.rw, job.bs, numjobs=job.numjobs, runtime=seconds)
         for table in (None, *TABLES):
             set_table(server, table)
             mb_s = fiorun.run(server.uri("@be"), timed, SIZE).mb_s
             out.setdefault((job.label(), table or "default"), []).append(mb_s)
+            if table is None and baseline is not None:
+                mb_s = fiorun.run(baseline.uri("@be"), timed, SIZE).mb_s
+                out.setdefault((job.label(), "baseline"), []).append(mb_s)
     set_table(server, None)
 
 
@@ -137,18 +145,29 @@ def report(qos: dict, dispatch: dict, rounds: int) -> None:
               f"{cell(ratios, 2)} |")
     print(f"\n## Dispatch: the default against fixed tables ({rounds} rounds: MB/s, median "
           f"(min-max))")
-    header = ["default", *TABLES]
-    print("| workload | " + " | ".join(header) + " | default / best fixed (target >= 0.95) |")
-    print("|---" * (len(header) + 2) + "|")
+    baseline = any(key[1] == "baseline" for key in dispatch)
+    header = ["default", *TABLES] + (["baseline"] if baseline else [])
+    extra = " default / baseline |" if baseline else ""
+    print("| workload | " + " | ".join(header) + " | default / best fixed (target >= 0.95) |"
+          + extra)
+    print("|---" * (len(header) + 2 + baseline) + "|")
     for job in WORKLOADS:
         label = job.label()
         cells = [cell(dispatch[(label, t)]) for t in header]
         best = max(statistics.median(dispatch[(label, t)]) for t in TABLES)
-        ratio = statistics.median(dispatch[(label, "default")]) / best
-        print(f"| {label} | " + " | ".join(cells) + f" | {ratio:.2f} |")
+        default = statistics.median(dispatch[(label, "default")])
+        row = f"| {label} | " + " | ".join(cells) + f" | {default / best:.2f} |"
+        if baseline:
+            row += f" {default / statistics.median(dispatch[(label, 'baseline')]):.2f} |"
+        print(row)
 
 
 def main(argv: list[str]) -> int:
+    baseline_dir = None
+    if "--baseline" in argv:
+        at = argv.index("--baseline")
+        baseline_dir = Path(argv[at + 1]).resolve()
+        argv = argv[:at] + argv[at + 2:]
     rounds = int(argv[1]) if len(argv) > 1 else 3
     seconds = float(argv[2]) if len(argv) > 2 else 5.0
     image = images.random_image(SIZE)
@@ -160,15 +179,21 @@ def main(argv: list[str]) -> int:
     }
     started["priorities off"].env = {**started["priorities off"].env,
                                      "NBD_VERITY_CLASS_PRIORITY": "0"}
+    baseline = None
+    if baseline_dir is not None:
+        baseline = servers.verity_server("baseline", image, [])
+        baseline.env = {**baseline.env, "PYTHONPATH": str(baseline_dir)}
+        started["baseline"] = baseline
     qos: dict = {}
     dispatch: dict = {}
     print(f"load average before: {os.getloadavg()}", file=sys.stderr)
     try:
         for server in started.values():
             server.start(timeout=120)
+        qos_servers = {k: v for k, v in started.items() if v is not baseline}
         for _ in range(rounds):
-            qos_round(started, seconds, qos)
-            dispatch_round(started["priorities on"], seconds, dispatch)
+            qos_round(qos_servers, seconds, qos)
+            dispatch_round(started["priorities on"], seconds, dispatch, baseline)
     finally:
         for server in started.values():
             server.stop()

@@ -4,7 +4,9 @@ One guest, one `nbd-verity serve --control CTL`, two connections: the plain one 
 the default class `be`, the one named `@rt` is `rt` (docs/control.md). The host reads the
 server's per-class counters between the guest's steps, then flips the threshold table
 between "everything to the pool" and "everything inline" while fio reads both devices,
-and the guest must see no error and the right bytes.
+and the guest must see no error and the right bytes. The rt jobs pause 20 ms between
+reads (fio's thinktime): be waits while rt is busy (serve/gate.py), and the pauses,
+longer than the gate's quiet time, give it its turns.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ FINAL = ("be=1048576", "rt=0")
 FIO = (f"fio --readonly --ioengine=psync --direct=1 --rw=randread "
        f"--bssplit=4k/20:8k/20:32k/20:128k/20:256k/20 --numjobs=2 "
        f"--runtime={FIO_ROUND_S} --time_based --output-format=json "
-       f"--name=be --filename=/dev/nbd0 --name=rt --filename=/dev/nbd1")
+       f"--name=be --filename=/dev/nbd0 --name=rt --filename=/dev/nbd1 --thinktime=20000")
 
 
 def ctl(control: Path, *args: str) -> dict:
