@@ -166,11 +166,24 @@ def format_stats(stats: dict) -> str:
                  f"kept thread states {stats.get('kept_thread_states', 0)}  "
                  f"nbdkit {stats.get('nbdkit', 'unknown')}")
     lines.append("  ".join(f"{k} {v}" for k, v in totals.items()))
+    if "class_gate" in stats:
+        lines.append(dispatch_line(stats))
     if stats.get("calibration"):
         lines.append("thresholds " + describe(stats["calibration"]))
     if "trust" in stats:
         lines.append(trust_line(stats["trust"]))
     return "\n".join(lines)
+
+
+def dispatch_line(stats: dict) -> str:
+    """Why requests went where they did: the pinned classes, the pool-sized requests
+    verified inline because the pool was busy, and the class gate's waits."""
+    pinned = ",".join(stats.get("pinned", [])) or "none"
+    busy = " ".join(f"{c} {n}" for c, n in stats.get("busy_inline", {}).items() if n) or "0"
+    gate = "  ".join(f"{rank} {row['waited']} ({row['aged']} at the bound, "
+                     f"{row['waited_s']:.1f} s)"
+                     for rank, row in stats["class_gate"].items() if rank != "rt")
+    return f"dispatch  pinned {pinned}  busy inline {busy}  waited for a better class: {gate}"
 
 
 def trust_line(trust: dict) -> str:

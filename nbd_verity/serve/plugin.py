@@ -8,8 +8,9 @@ restart-on-corruption a corruption also stops the server (see _restart). pread f
 offers the request to its connection's fast path (serve/fastpath.py: the common request,
 one frame and one native call); whatever that declines takes the general path. Before
 either, pread keeps the thread's Python thread state for the requests after it
-(serve/threadstate.py), and close gives it back, and puts the thread at its
-connection's class priority (serve/priority.py). With exports=DIR the callbacks serve
+(serve/threadstate.py), and close gives it back, puts the thread at its
+connection's class priority (serve/priority.py), and waits at the class gate while a
+better class is busy (serve/gate.py: open and close count the connections it ranks). With exports=DIR the callbacks serve
 every export of DIR (serve/exports.py): open picks one by name, list_exports lists them.
 
 A failed request is raised by nbdkit_compat.FailureRaiser, outside any `except` block, so

@@ -16,6 +16,8 @@ class, rt before be before idle, as the kernel's block schedulers serve them.
   inversion). A SCHED_IDLE thread may not run at all while other processes keep the
   CPUs busy; at nice 19 it keeps a small share (weight 15 against 1024) and lets go
   within its slices (docs/control.md has what was measured).
+- Nice values do not rank the GIL's waiters: whole requests are ranked before they start
+  by the class gate (gate.py), which this module's switch turns off too.
 """
 
 from __future__ import annotations

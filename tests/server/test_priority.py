@@ -6,6 +6,7 @@ while a be client is busy, at most the stated bound, and not at all alone."""
 from __future__ import annotations
 
 import os
+import subprocess
 import threading
 import time
 
@@ -14,7 +15,7 @@ import pytest
 
 from nbd_verity.serve.gate import WAIT_S
 
-from .serverlib import control_request, wait_for
+from .serverlib import NBD_VERITY, control_request, wait_for
 
 
 def thread_nices(pid: int) -> dict[int, int]:
@@ -150,6 +151,11 @@ def test_idle_waits_for_be_and_runs_freely_once_be_has_gone(default_image, serve
     for offset in range(0, 1 << 20, 4096):
         assert idle.pread(4096, offset) == default_image.expected(offset, 4096)
     assert gate_of(control)["idle"]["waited"] == during["idle"]["waited"]
+    shown = subprocess.run([str(NBD_VERITY), "ctl", "--control", control, "stats"],
+                           capture_output=True, text=True, timeout=30, check=True).stdout
+    line = next(x for x in shown.splitlines() if x.startswith("dispatch "))
+    waited = during["idle"]["waited"]
+    assert f"idle {waited} (" in line.split("waited for a better class:")[1], line
 
 
 def test_class_priority_off_turns_the_gate_off(default_image, servers, tmp_path,
