@@ -26,6 +26,8 @@ before be.
 
 Counts of open connections per rank change under the lock; the per-request path reads
 them without it (a stale count costs one request one needless look or one missed wait).
+A waiter looks again every quiet_s by itself (a better request's end wakes nobody), and
+a closed better connection wakes the waiters at once.
 """
 
 from __future__ import annotations
@@ -90,12 +92,13 @@ class ClassGate:
         return True
 
     def leave(self, io_class: int) -> None:
+        """The end of a request enter() said to count. It wakes nobody: the waiters must
+        wait quiet_s after it anyway, and look again by themselves (_wait); waking them at
+        every request of a busy reader would cost that reader their GIL hand-offs."""
         rank = RANK[io_class]
         with self._cond:
             self._active[rank] -= 1
             self._ended[rank] = time.monotonic()
-            if self._waiting and not self._active[rank]:
-                self._cond.notify_all()
 
     def _busy_until(self, rank: int, now: float) -> float | None:
         """Until when a better rank than rank counts as busy (None: it is in flight);
@@ -117,9 +120,9 @@ class ClassGate:
             deadline = now + self.wait_s
             self._waiting += 1
             try:
-                while True:
-                    timeout = deadline - now if until is None else min(deadline, until) - now
-                    self._cond.wait(timeout)
+                while True:  # look again after quiet_s, or at the end of the quiet
+                    wake = now + self.quiet_s if until is None else until
+                    self._cond.wait(min(deadline, wake) - now)
                     now = time.monotonic()
                     until = self._busy_until(rank, now)
                     if until is not None and until <= now:
