@@ -26,8 +26,11 @@ before be.
 
 Counts of open connections per rank change under the lock; the per-request path reads
 them without it (a stale count costs one request one needless look or one missed wait).
-A waiter looks again every quiet_s by itself (a better request's end wakes nobody), and
-a closed better connection wakes the waiters at once.
+A waiter looks again by itself (a better request's end wakes nobody): at the end of the
+quiet time, or, while better requests are in flight, after 8, 16, 32 then every 64 ms
+(each look takes the GIL, and a waiter runs at its class's nice: at nice 19 on a busy
+machine it may be slow to let go of it again). A closed better connection wakes the
+waiters at once.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ RANK = (1, 0, 1, 2)  # by class index (none, rt, be, idle), as pool.RANK
 RANKS = 3
 QUIET_S = 0.008  # a better rank stays busy this long after its last request ended
 WAIT_S = 1.0  # the most any request waits here (the bound docs/control.md states)
+POLL_MAX_S = 0.064  # a waiter behind requests in flight looks again at most this late
 
 
 class ClassGate:
@@ -120,8 +124,12 @@ class ClassGate:
             deadline = now + self.wait_s
             self._waiting += 1
             try:
-                while True:  # look again after quiet_s, or at the end of the quiet
-                    wake = now + self.quiet_s if until is None else until
+                step = self.quiet_s
+                while True:  # look again at the end of the quiet, or after step
+                    if until is None:  # in flight: look again later and later
+                        wake, step = now + step, min(POLL_MAX_S, 2 * step)
+                    else:
+                        wake = until
                     self._cond.wait(min(deadline, wake) - now)
                     now = time.monotonic()
                     until = self._busy_until(rank, now)
