@@ -65,10 +65,14 @@ def thresholds_cmd(control: str, assignments, preset, as_json) -> None:
     if as_json:
         click.echo(json.dumps(reply))
         return
+    pinned = set(reply.get("pinned", []))
     for name in CLASSES:
-        click.echo(f"{name:<5} {reply['thresholds'][name]}")
+        click.echo(f"{name:<5} {reply['thresholds'][name]}" + ("  (pinned)" if name in pinned
+                                                               else ""))
     if reply.get("calibration"):
         click.echo(describe(reply["calibration"]))
+    for line in learned_lines(reply.get("learned", {})):
+        click.echo(line)
 
 
 EXPORT_OPTION = click.option("--export", "export", default=None, metavar="NAME",
@@ -168,6 +172,7 @@ def format_stats(stats: dict) -> str:
     lines.append("  ".join(f"{k} {v}" for k, v in totals.items()))
     if "class_gate" in stats:
         lines.append(dispatch_line(stats))
+    lines.extend(learned_lines(stats.get("learned", {})))
     if stats.get("calibration"):
         lines.append("thresholds " + describe(stats["calibration"]))
     if "trust" in stats:
@@ -184,6 +189,20 @@ def dispatch_line(stats: dict) -> str:
                      f"{row['waited_s']:.1f} s)"
                      for rank, row in stats["class_gate"].items() if rank != "rt")
     return f"dispatch  pinned {pinned}  busy inline {busy}  waited for a better class: {gate}"
+
+
+def learned_lines(learned: dict) -> list[str]:
+    """Per class that took requests of 64 KiB or more (unpinned): what served each size
+    best lately, in microseconds per MiB inline and on the pool."""
+    lines = []
+    for name, row in learned.items():
+        sizes = "  ".join(f"{int(size) >> 10}K: {_us(b['inline_us_per_mib'])}/"
+                          f"{_us(b['pool_us_per_mib'])} us/MiB {b['choice'] or '-'}"
+                          for size, b in row["buckets"].items())
+        start = row["pool_from"]
+        lines.append(f"learned {name}: pool from {start >> 10 if start else '-'}"
+                     f"{'K' if start else ''} (inline/pool: {sizes})")
+    return lines
 
 
 def trust_line(trust: dict) -> str:

@@ -211,8 +211,10 @@ class Control:
                 table = dispatcher.table
         except ConfigError as e:
             raise ProtocolError(str(e)) from None
+        learner = getattr(dispatcher, "learner", None)  # a many-export server: per export
         return {"thresholds": table_dict(table), "calibration": self.device.calibration_dict(),
-                "pinned": [CLASSES[c] for c in sorted(dispatcher.pinned)]}
+                "pinned": [CLASSES[c] for c in sorted(dispatcher.pinned)],
+                "learned": learner.snapshot() if learner is not None else {}}
 
     def _stats(self, request: dict) -> dict:
         reply = {"stats": self.device.stats()}

@@ -99,7 +99,8 @@ class Device:
         table = updated_table(preset(config.threshold_preset), self._explicit)
         self.calibration: Calibration | None = None  # start_threads measures `default`
         self.default_class = class_index(config.default_class, "default-class")
-        pinned = self.explicit_classes()
+        pinned = (self.explicit_classes() if config.threshold_preset == CALIBRATED
+                  else frozenset(range(len(CLASSES))))  # a fixed preset: the table decides
         self.dispatcher = (
             Dispatcher(self.verifier.read, self.geo.data_block_size, table, config.workers,
                        pinned=pinned)
@@ -164,6 +165,7 @@ class Device:
                 "workers": self.dispatcher.workers,
                 "pinned": [CLASSES[c] for c in sorted(self.dispatcher.pinned)],
                 "busy_inline": self.dispatcher.busy_inline(),
+                "learned": self.dispatcher.learner.snapshot(),
                 "class_gate": gate.snapshot(),  # the server's, shared by its exports
                 "chunk_size": self.dispatcher.chunk_size, "fast_path": self.fast_path,
                 "kept_thread_states": threadstate.kept(), "calibration": self.calibration_dict(),

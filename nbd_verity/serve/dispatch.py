@@ -14,13 +14,14 @@ The table (control/table.py: presets, checks, changes) is an immutable tuple rep
 whole: readers take no lock, read it once per request, and a change applies from the next
 request on; none in flight is disturbed.
 
-Under load the table alone is not right (docs/control.md, "Dispatch under load"): a
-pool-sized request of a class whose threshold nobody set explicitly goes to the pool
-only while such requests are at most half the workers and a worker is free
-(pool.demand); otherwise it is verified inline, in its own nbdkit thread, instead of
-waiting in the queue behind other connections' chunks (counted as `busy_inline`). A
-threshold set with --threshold or `ctl thresholds` pins its class: the table alone
-decides, exactly.
+Under load the table alone is not right (docs/control.md, "Dispatch under load"). For a
+class whose threshold nobody set explicitly, a request of at least 64 KiB takes the path
+that served its class and size best lately (learn.py: moving averages per path, the
+other path tried now and then), and one that should take the pool goes there only while
+such requests are at most half the workers and a worker is free (pool.demand);
+otherwise it is verified inline, in its own nbdkit thread, instead of waiting in the
+queue behind other connections' chunks (counted as `busy_inline`). A threshold set with
+--threshold or `ctl thresholds` pins its class: the table alone decides, exactly.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import time
 from collections import deque
 
 from ..control.table import CLASSES, INLINE, POOL
+from .learn import LEARN_MIN, Learner
 from .pool import ClassPool
 from .tally import Tally
 
@@ -113,6 +115,7 @@ class Dispatcher:
         self.chunk_size = max(block_size, POOL_CHUNK_SIZE - POOL_CHUNK_SIZE % block_size)
         self.stats = PathStats()
         self._busy_inline = Tally(len(CLASSES))  # pool-sized, verified inline: pool busy
+        self.learner = Learner()  # the unpinned classes' choice at LEARN_MIN bytes and more
         self._pool: ClassPool | None = None
         self._shared_pool = shared_pool  # a many-export server's: () -> its one pool
         self._start_lock = threading.Lock()
@@ -141,16 +144,22 @@ class Dispatcher:
             self.pinned = frozenset(pinned)
 
     def read(self, buf: memoryview, offset: int, io_class: int) -> None:
-        path = decide(self.table, io_class, len(buf))
-        if path == POOL and io_class not in self.pinned:
+        length = len(buf)
+        path = decide(self.table, io_class, length)
+        if io_class in self.pinned or length < LEARN_MIN:
+            self._timed(buf, offset, io_class, path)
+            return
+        path = self.learner.choose(io_class, length, path)
+        if path == POOL:
             with (self._pool or self.start()).demand() as worth:
                 if not worth:  # the cores are taken: this thread verifies it, no queueing
                     self._busy_inline.row()[io_class] += 1
-                self._timed(buf, offset, io_class, POOL if worth else INLINE)
+                self._timed(buf, offset, io_class, POOL if worth else INLINE, True)
             return
-        self._timed(buf, offset, io_class, path)
+        self._timed(buf, offset, io_class, path, True)
 
-    def _timed(self, buf: memoryview, offset: int, io_class: int, path: str) -> None:
+    def _timed(self, buf: memoryview, offset: int, io_class: int, path: str,
+               learn: bool = False) -> None:
         length = len(buf)
         started = time.perf_counter()
         try:
@@ -159,7 +168,10 @@ class Dispatcher:
             else:
                 self._read_in_pool(buf, offset, io_class)
         finally:  # failed requests count too, and their latency
-            self.stats.record(io_class, path, length, time.perf_counter() - started)
+            seconds = time.perf_counter() - started
+            self.stats.record(io_class, path, length, seconds)
+            if learn:
+                self.learner.record(io_class, length, path, seconds)
 
     def _read_in_pool(self, buf: memoryview, offset: int, io_class: int) -> None:
         """Split on block boundaries into chunks, verify them in parallel, wait for all.

@@ -91,7 +91,9 @@ class ExportSet:
                           for name, value in config.thresholds.items()}
         self.dispatcher = TableOfAll(self, updated_table(preset(config.threshold_preset),
                                                          self._explicit),
-                                     self.explicit_classes())
+                                     self.explicit_classes()
+                                     if config.threshold_preset == CALIBRATED
+                                     else frozenset(range(len(CLASSES))))
         self.workers = config.workers or os.cpu_count() or 1
         self._pool: ClassPool | None = None
         self.calibration = None

@@ -23,15 +23,17 @@ def server(module_servers, image):
     return module_servers.start(image)
 
 
-def table_lines(stdout: str) -> dict:
-    """`ctl thresholds` prints one "CLASS VALUE" line per class, in class order, then how
-    start-up calibrated the default table."""
+def table_lines(stdout: str, pinned: tuple[str, ...] = ()) -> dict:
+    """`ctl thresholds` prints one "CLASS VALUE" line per class, in class order, with
+    "(pinned)" after the pinned ones, then how start-up calibrated the default table (and
+    what was learned, once requests of 64 KiB or more came: none here)."""
     lines = stdout.strip().splitlines()
     rows = [line.split() for line in lines[:len(CLASSES)]]
     assert [r[0] for r in rows] == list(CLASSES), stdout
+    assert [r[0] for r in rows if r[2:] == ["(pinned)"]] == list(pinned), stdout
     rest = lines[len(CLASSES):]
     assert len(rest) == 1 and rest[0].startswith("calibrated at start-up in "), stdout
-    return {name: int(value) for name, value in rows}
+    return {r[0]: int(r[1]) for r in rows}
 
 
 def stats_rows(stdout: str) -> dict:
@@ -50,19 +52,19 @@ def test_thresholds_show_set_and_preset(server):
     server.ask({"cmd": "thresholds", "preset": "seed"})
     shown = ctl(server.control, "thresholds")
     assert shown.returncode == 0, shown.stderr
-    assert table_lines(shown.stdout) == dict.fromkeys(CLASSES, 4096)
+    assert table_lines(shown.stdout, CLASSES) == dict.fromkeys(CLASSES, 4096)
 
     changed = ctl(server.control, "thresholds", "be=65536", "rt=0")
     assert changed.returncode == 0, changed.stderr
     want = {"none": 4096, "rt": 0, "be": 65536, "idle": 4096}
-    assert table_lines(changed.stdout) == want
+    assert table_lines(changed.stdout, CLASSES) == want  # a preset pinned every class
     assert server.thresholds() == want
 
     kernel = ctl(server.control, "thresholds", "--preset", "kernel", "--json")
     assert kernel.returncode == 0, kernel.stderr
     reply = json.loads(kernel.stdout)
-    assert reply["ok"] is True and sorted(reply) == ["calibration", "ok", "pinned",
-                                                     "thresholds"]
+    assert reply["ok"] is True and sorted(reply) == ["calibration", "learned", "ok",
+                                                     "pinned", "thresholds"]
     assert reply["thresholds"] == {"none": 8192, "rt": 8192, "be": 8192, "idle": 0}
     assert reply["pinned"] == list(CLASSES)  # a fixed preset: the table alone decides
     assert server.thresholds() == reply["thresholds"]

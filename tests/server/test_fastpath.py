@@ -34,6 +34,9 @@ def device(image, monkeypatch, path: str = "fast", **keys) -> Device:
         monkeypatch.setenv(FAST_PATH_ENV, "0")
     else:
         monkeypatch.delenv(FAST_PATH_ENV, raising=False)
+    # the fixed table, pinned: the default learns from live timings (serve/learn.py), and
+    # two devices' inline/pool counts compared here must not depend on them
+    keys.setdefault("threshold_preset", "fixed")
     return Device(config_from_pairs(image.pairs(readahead="false", **keys)))
 
 
@@ -161,7 +164,7 @@ def test_through_nbdkit_both_paths_count_alike(damaged, servers, sockdir):
     results, counts = [], []
     for path in ("fast", "general"):
         control = os.path.join(sockdir, f"{path}.ctl")
-        # one table for both (a measured default could split inline and pool apart)
+        # one pinned table for both (a measured or learned default could split them apart)
         h = servers.start(damaged, path=path, control=control, readahead="false",
                           threshold_preset="fixed").connect()
         replies = []

@@ -1,0 +1,106 @@
+"""The learned inline-or-pool choice (serve/learn.py): table's path first, the other next,
+then the cheaper one with the other tried every EXPLORE-th (EXPLORE_FAR-th when it is far
+worse), following a change of load; pinned classes and small requests never consult it."""
+
+from __future__ import annotations
+
+import threading
+
+from nbd_verity.control.table import INLINE, POOL
+from nbd_verity.serve.dispatch import Dispatcher
+from nbd_verity.serve.learn import EXPLORE, EXPLORE_FAR, LEARN_MIN, Learner, bucket
+
+BE, IDLE = 2, 3
+MIB = 1 << 20
+
+
+def test_buckets_are_powers_of_two_from_64k():
+    assert bucket(LEARN_MIN) == bucket(2 * LEARN_MIN - 1) == 0
+    assert bucket(2 * LEARN_MIN) == 1
+    assert bucket(2 * MIB) == 5 and bucket(32 * MIB) == 9
+
+
+def feed(learner: Learner, length: int, costs: dict, requests: int) -> list[str]:
+    """requests choices for one size, each recorded at costs[path] seconds."""
+    chosen = []
+    for _ in range(requests):
+        path = learner.choose(BE, length, INLINE)
+        learner.record(BE, length, path, costs[path])
+        chosen.append(path)
+    return chosen
+
+
+def test_table_first_then_the_other_then_the_cheaper_with_exploration():
+    learner = Learner()
+    chosen = feed(learner, 2 * MIB, {INLINE: 0.0010, POOL: 0.0009}, 2 + 4 * EXPLORE)
+    assert chosen[:2] == [INLINE, POOL]
+    rest = chosen[2:]
+    assert rest.count(INLINE) == 4, rest  # one in EXPLORE (the pool is under 1.5x cheaper)
+    snap = learner.snapshot()["be"]
+    assert snap["pool_from"] == 2 * MIB
+    row = snap["buckets"][str(2 * MIB)]
+    assert row["choice"] == POOL and row["requests"] == 2 + 4 * EXPLORE
+    assert row["pool_us_per_mib"] < row["inline_us_per_mib"]
+
+
+def test_a_far_worse_path_is_tried_less_often():
+    learner = Learner()
+    chosen = feed(learner, MIB, {INLINE: 0.0005, POOL: 0.0020}, 2 + 2 * EXPLORE_FAR)
+    assert chosen[2:].count(POOL) == 2
+
+
+def test_the_choice_follows_a_change_of_load():
+    learner = Learner()
+    feed(learner, 2 * MIB, {INLINE: 0.0010, POOL: 0.0006}, 100)
+    assert learner.choose(BE, 2 * MIB, INLINE) == POOL
+    # now the cores are taken: the pool's requests wait; inline costs what it did
+    chosen = feed(learner, 2 * MIB, {INLINE: 0.0010, POOL: 0.0030}, 20 * EXPLORE)
+    assert chosen[-EXPLORE:].count(POOL) <= 1, chosen[-EXPLORE:]
+
+
+def test_classes_and_sizes_learn_apart():
+    learner = Learner()
+    feed(learner, 2 * MIB, {INLINE: 0.0010, POOL: 0.0005}, 50)
+    assert learner.choose(IDLE, 2 * MIB, INLINE) == INLINE  # idle: its first, the table's
+    assert learner.choose(BE, 128 << 10, INLINE) == INLINE  # another size: its first
+    assert set(learner.snapshot()) == {"be", "idle"}
+
+
+def dispatcher(pinned: frozenset) -> tuple[Dispatcher, list]:
+    seen: list[int] = []
+    lock = threading.Lock()
+
+    def read(view, offset):
+        with lock:
+            seen.append(len(view))
+
+    return Dispatcher(read, 4096, (256 << 10,) * 4, workers=2, pinned=pinned), seen
+
+
+def test_pinned_classes_and_small_requests_follow_the_table_alone():
+    d, _ = dispatcher(frozenset({BE}))
+    try:
+        buf = memoryview(bytearray(2 * MIB))
+        for _ in range(20):
+            d.read(buf, 0, BE)  # pinned: over its threshold, the pool every time
+            d.read(buf[:LEARN_MIN - 4096], 0, IDLE)  # small: inline, as the table says
+        snap = d.stats.snapshot()
+        assert snap["be"]["pool"]["requests"] == 20 and snap["be"]["inline"]["requests"] == 0
+        assert snap["idle"]["inline"]["requests"] == 20
+        assert d.learner.snapshot() == {}
+    finally:
+        d.stop()
+
+
+def test_an_unpinned_class_learns_through_the_dispatcher():
+    d, _ = dispatcher(frozenset())
+    try:
+        buf = memoryview(bytearray(2 * MIB))
+        for _ in range(40):
+            d.read(buf, 0, BE)
+        snap = d.stats.snapshot()["be"]
+        assert snap["inline"]["requests"] >= 1 and snap["pool"]["requests"] >= 1  # both tried
+        row = d.learner.snapshot()["be"]["buckets"][str(2 * MIB)]
+        assert row["requests"] == 40 and row["choice"] in (INLINE, POOL)
+    finally:
+        d.stop()
