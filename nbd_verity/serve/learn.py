@@ -8,14 +8,20 @@ inline). So for a class nobody pinned, a request of at least LEARN_MIN bytes tak
 path that served its size best lately:
 
 - Requests are grouped by class and size bucket (powers of two: 64 KiB up to 128 KiB,
-  ... up to 32 MiB). Each bucket keeps, per path, a moving average (weight ALPHA) of
-  the seconds per byte its requests took, measured around the whole request as the
-  client sees it, under whatever load there is.
-- A bucket's first request takes the table's path, its second the other one; after that
-  the cheaper path, except that every EXPLORE-th request takes the other one, so that a
-  change of load (more clients, another process on the cores) moves the choice within
-  a few dozen requests. When the other path costs over 1.5 times as much, it is tried
-  only every EXPLORE_FAR-th request.
+  ... up to 32 MiB). Each bucket keeps, per path, the seconds per byte of its last
+  WINDOW requests, timed around the whole request as the client sees it, under whatever
+  load there is; a path's cost is their median (the lower one of an even count): one
+  disturbed request (the pool's first, which starts its threads; a preempted one) does
+  not move it.
+- A bucket's first request takes the table's path; after that the cheaper path, except
+  that every EXPLORE-th request starts a run of RUN requests on the other one (at once
+  when it has no sample yet), so that a change of load (more clients, another process on
+  the cores) moves the choice within a few hundred requests. When the other path costs
+  over 1.5 times as much, a run starts only every EXPLORE_FAR-th request.
+- A run's first request is not counted: a path taken after others costs more at first
+  (measured on this 2-core VM: 2 MiB requests on the pool took 1.1-1.2 ms each in a
+  stream of pool requests, 1.4-2.2 ms when one in sixteen took it; its workers' CPUs had
+  gone idle), and counting it biased the choice against the path not taken.
 - The load rule of dispatch.py still applies on top: a request that should take the pool
   is verified inline when no worker is free (`busy_inline`).
 
@@ -27,13 +33,16 @@ decides, exactly. Updates take no lock: a lost update under a race costs one sam
 
 from __future__ import annotations
 
+from collections import deque
+
 from ..control.table import CLASSES, INLINE, POOL
 
 LEARN_MIN = 64 << 10  # smaller requests follow the table (inline, where it was measured)
 BUCKETS = 10  # 64 KiB, 128 KiB, ... 32 MiB (MAX_REQUEST_SIZE)
-ALPHA = 0.125  # weight of a new sample in a path's moving average
-EXPLORE = 16  # every this-many-th request of a bucket takes the path it did not choose
-EXPLORE_FAR = 64  # ... or this many, when that path costs over FAR times as much
+WINDOW = 8  # samples kept per path: its cost is their median
+RUN = 4  # requests of a run on the path not chosen (its first one not counted)
+EXPLORE = 64  # every this-many-th request of a bucket starts a run on the other path
+EXPLORE_FAR = 256  # ... or this many, when that path costs over FAR times as much
 FAR = 1.5
 
 
@@ -43,35 +52,52 @@ def bucket(length: int) -> int:
 
 
 class Learner:
-    """Moving averages per (class, bucket): [inline s/byte, pool s/byte, requests]."""
+    """Per (class, bucket): [inline cost, pool cost, requests, inline samples, pool
+    samples, the run's path, its requests left, requests of it not to count], costs in
+    seconds per byte (None before a first sample)."""
 
     def __init__(self) -> None:
-        self._rows = [[[None, None, 0] for _ in range(BUCKETS)] for _ in CLASSES]
+        self._rows = [[self._row() for _ in range(BUCKETS)] for _ in CLASSES]
+
+    @staticmethod
+    def _row() -> list:
+        return [None, None, 0, deque(maxlen=WINDOW), deque(maxlen=WINDOW), None, 0, 0]
 
     def choose(self, io_class: int, length: int, table_path: str) -> str:
         row = self._rows[io_class][bucket(length)]
-        inline, pool, count = row
+        inline, pool, count = row[0], row[1], row[2]
         row[2] = count + 1
-        if inline is None or pool is None:  # the table's path, then the other one
-            if inline is None and pool is None:
-                return table_path
-            return INLINE if inline is None else POOL
-        best, other = (INLINE, POOL) if inline <= pool else (POOL, INLINE)
-        ratio = max(inline, pool) / max(min(inline, pool), 1e-12)
-        every = EXPLORE_FAR if ratio > FAR else EXPLORE
-        return other if count % every == every - 1 else best
+        if row[6] > 0:  # a run goes on
+            row[6] -= 1
+            return row[5]
+        if inline is None and pool is None:
+            return table_path
+        if inline is None or pool is None:
+            other = INLINE if inline is None else POOL
+        else:
+            best, other = (INLINE, POOL) if inline <= pool else (POOL, INLINE)
+            ratio = max(inline, pool) / max(min(inline, pool), 1e-12)
+            every = EXPLORE_FAR if ratio > FAR else EXPLORE
+            if count % every != every - 1:
+                return best
+        row[5], row[6], row[7] = other, RUN - 1, 1  # a run of the other path
+        return other
 
     def record(self, io_class: int, length: int, path: str, seconds: float) -> None:
         row = self._rows[io_class][bucket(length)]
+        if row[7] and path == row[5]:  # a run's first request: not counted
+            row[7] = 0
+            return
         index = 0 if path == INLINE else 1
-        sample = seconds / length
-        old = row[index]
-        row[index] = sample if old is None else old + ALPHA * (sample - old)
+        samples = row[3 + index]
+        samples.append(seconds / length)
+        ordered = sorted(samples)
+        row[index] = ordered[(len(ordered) - 1) // 2]
 
     def reset(self) -> None:
         for rows in self._rows:
-            for row in rows:
-                row[:] = [None, None, 0]
+            for i in range(len(rows)):
+                rows[i] = self._row()
 
     def snapshot(self) -> dict:
         """Per class with requests: its buckets (bytes from) with µs per MiB on each path
@@ -80,7 +106,7 @@ class Learner:
         for c, rows in enumerate(self._rows):
             buckets = {}
             pool_from = None
-            for b, (inline, pool, count) in enumerate(rows):
+            for b, (inline, pool, count, *_) in enumerate(rows):
                 if not count:
                     continue
                 size = LEARN_MIN << b
