@@ -73,8 +73,8 @@ def group_page(main: click.Group, version: str, date: str) -> str:
     """nbd-verity(8): the group's help, its own options and a list of its commands."""
     ctx = click.Context(main, info_name=PROG)
     lines = header(PROG, main.get_short_help_str(limit=200).rstrip("."), version, date)
-    lines += usage_roff(main, ctx) + [".SH DESCRIPTION"] + roff_paragraphs(main.help or "")
-    lines += [".SH OPTIONS"] + options_roff(main, ctx) + [".SH COMMANDS"]
+    lines += [*usage_roff(main, ctx), ".SH DESCRIPTION", *roff_paragraphs(main.help or "")]
+    lines += [".SH OPTIONS", *options_roff(main, ctx), ".SH COMMANDS"]
     for name, command in subcommands(main, ctx):
         lines += [".TP", f"\\fB{PROG}\\-{name}\\fR({SECTION})",
                   roff_text(command.get_short_help_str(limit=200))]
@@ -90,8 +90,8 @@ def command_page(main: click.Group, name: str, version: str, date: str) -> str:
     ctx = click.Context(command, info_name=name, parent=parent)
     lines = header(f"{PROG}-{name}", command.get_short_help_str(limit=200).rstrip("."),
                    version, date)
-    lines += usage_roff(command, ctx) + [".SH DESCRIPTION"] + roff_paragraphs(command.help or "")
-    lines += [".SH OPTIONS"] + options_roff(command, ctx)
+    lines += [*usage_roff(command, ctx), ".SH DESCRIPTION", *roff_paragraphs(command.help or "")]
+    lines += [".SH OPTIONS", *options_roff(command, ctx)]
     if isinstance(command, click.Group):
         lines.append(".SH COMMANDS")
         for sub_name, sub in subcommands(command, ctx):
