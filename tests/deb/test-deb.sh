@@ -69,6 +69,7 @@ cleanup() {
     local status=$? root
     trap - EXIT INT TERM HUP
     for root in "${entered[@]}"; do leave "$root" || true; done
+    mkdir -p "$cache/logs" && cp "$work"/*.log "$cache/logs/" 2>/dev/null || true  # the last run's
     rm -rf "$work"
     exit "$status"
 }
