@@ -13,22 +13,40 @@ DEB_PACKAGES_trixie := systemd-repart    # Debian 13: its own package, not pulle
 RELEASE := $(shell . /etc/os-release 2>/dev/null && echo $$VERSION_CODENAME)
 SUPPORTED_RELEASES := bookworm trixie
 DEB_PACKAGES := $(DEB_PACKAGES_ALL) $(DEB_PACKAGES_$(RELEASE))
+# What `make deb` builds with: debian/control's Build-Depends, dpkg-buildpackage's own
+# tools and lintian (dpkg-buildpackage refuses the build with one line if one is missing).
+DEB_BUILD_PACKAGES_ALL := build-essential fakeroot debhelper dh-python pybuild-plugin-pyproject \
+	python3-all-dev python3-setuptools libssl-dev python3-click python3-cryptography \
+	python3-asn1crypto python3-libnbd lintian git
+DEB_BUILD_PACKAGES_bookworm :=
+DEB_BUILD_PACKAGES_trixie :=
+DEB_BUILD_PACKAGES := $(DEB_BUILD_PACKAGES_ALL) $(DEB_BUILD_PACKAGES_$(RELEASE))
+VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+DEB_DIR := $(CURDIR)/build/deb
 
-.PHONY: setup demo test test-other-release lint bench bench-format bench-fec bench-latency e2e e2e-bench soak clean
+# $(call check_release,TARGET) and $(call install_missing,PACKAGES): what setup and deb do first.
+define check_release
+	@case " $(SUPPORTED_RELEASES) " in *" $(RELEASE) "*) ;; *) echo "$(1): Debian release \
+		'$(RELEASE)' is not supported (supported: $(SUPPORTED_RELEASES))" >&2; exit 1;; esac
+endef
+define install_missing
+	@missing=$$(for p in $(1); do dpkg-query -W -f='$${Status}' $$p 2>/dev/null \
+		| grep -q 'install ok installed' || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+		echo "installing Debian packages:" $$missing; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
+	fi
+endef
+
+.PHONY: setup demo test test-other-release deb test-deb lint bench bench-format bench-fec bench-latency e2e e2e-bench soak clean
 
 setup: $(VENV)/.installed
 
 # Debian packages first (idempotent: apt only runs when one is missing), then the venv
 # from Debian's python3, which is the interpreter nbdkit embeds.
 $(VENV)/.installed: pyproject.toml setup.py $(wildcard nbd_verity/format/*.[ch]) nbd_verity/fec/_rs.c nbd_verity/serve/_threadstate.c  # C built in place
-	@case " $(SUPPORTED_RELEASES) " in *" $(RELEASE) "*) ;; *) echo "setup: Debian release \
-		'$(RELEASE)' is not supported (supported: $(SUPPORTED_RELEASES))" >&2; exit 1;; esac
-	@missing=$$(for p in $(DEB_PACKAGES); do dpkg-query -W -f='$${Status}' $$p 2>/dev/null \
-		| grep -q 'install ok installed' || echo $$p; done); \
-	if [ -n "$$missing" ]; then \
-		echo "installing Debian packages:" $$missing; \
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
-	fi
+	$(call check_release,setup)
+	$(call install_missing,$(DEB_PACKAGES))
 	@[ -x $(PY) ] || /usr/bin/python3 -m venv --system-site-packages $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
@@ -44,6 +62,30 @@ test: setup
 # Debian 12 host and back), in a debootstrap tree cached in /var/cache/nbd-verity/release.
 test-other-release:
 	bash tests/release/other-release.sh
+
+# nbd-verity_VERSION_ARCH.deb for this release, with Debian's tools: the checkout's files
+# (tracked or not, those git ignores left out) are copied into build/deb and built there by
+# dpkg-buildpackage, then checked by lintian (an error or a warning not overridden in
+# debian/ fails the build); the package lands in this folder.
+deb:
+	$(call check_release,deb)
+	$(call install_missing,$(DEB_BUILD_PACKAGES))
+	@git rev-parse --git-dir > /dev/null 2>&1 || { echo "deb: needs a git checkout" >&2; exit 1; }
+	rm -rf $(DEB_DIR) && mkdir -p $(DEB_DIR)/nbd-verity-$(VERSION)
+	git ls-files -z -c -o --exclude-standard | tar --null -T - --ignore-failed-read -cf - \
+		| tar -C $(DEB_DIR)/nbd-verity-$(VERSION) -xf -
+	# PATH of Debian's own programs: pybuild runs `python3.X` from PATH, and the package is
+	# for Debian's, whatever other Python this shell finds first.
+	cd $(DEB_DIR)/nbd-verity-$(VERSION) && PATH=/usr/sbin:/usr/bin:/sbin:/bin \
+		dpkg-buildpackage -us -uc -b
+	lintian --fail-on error,warning --display-info $(DEB_DIR)/nbd-verity_$(VERSION)_*.changes
+	@deb=$$(cd $(DEB_DIR) && ls nbd-verity_$(VERSION)_*.deb) && \
+		cp $(DEB_DIR)/$$deb .$$deb.tmp && mv .$$deb.tmp $$deb && echo "deb: $$deb"
+
+# The package of each supported release, built by `make deb` (here and in a tree of the
+# other release) and installed, served from, upgraded and purged in fresh trees of both.
+test-deb:
+	bash tests/deb/test-deb.sh
 
 lint: setup
 	$(PY) -m pip install -q ruff
