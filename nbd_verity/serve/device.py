@@ -25,11 +25,11 @@ from ..log import log
 from ..sources.remote import is_uri, open_source
 from ..trust.root import TrustedRoot, resolve_root
 from . import fastpath, threadstate
-from .gate import gate
 from .cache import HashBlockCache
 from .calibrate import Calibration, calibrate
 from .config import ServerConfig, parse_size
 from .dispatch import Dispatcher
+from .gate import gate
 from .ioprio import connection_class
 from .nbdkit_compat import nbdkit_version, version_text
 from .readahead import Readahead

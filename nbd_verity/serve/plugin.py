@@ -10,8 +10,9 @@ one frame and one native call); whatever that declines takes the general path. B
 either, pread keeps the thread's Python thread state for the requests after it
 (serve/threadstate.py), and close gives it back, puts the thread at its
 connection's class priority (serve/priority.py), and waits at the class gate while a
-better class is busy (serve/gate.py: open and close count the connections it ranks). With exports=DIR the callbacks serve
-every export of DIR (serve/exports.py): open picks one by name, list_exports lists them.
+better class is busy (serve/gate.py: open and close count the connections it ranks).
+With exports=DIR the callbacks serve every export of DIR (serve/exports.py): open picks
+one by name, list_exports lists them.
 
 A failed request is raised by nbdkit_compat.FailureRaiser, outside any `except` block, so
 that nbdkit 1.32's leak of every failed callback's exception costs nothing (see there);
