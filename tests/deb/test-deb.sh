@@ -19,12 +19,9 @@
 set -euo pipefail
 
 repo=$(cd "$(dirname "$0")/../.." && pwd)
-host=$(. /etc/os-release && echo "${VERSION_CODENAME:-}")
-case "$host" in
-    bookworm) other=trixie ;;
-    trixie) other=bookworm ;;
-    *) echo "test-deb: host release '$host' is neither bookworm nor trixie" >&2; exit 2 ;;
-esac
+# shellcheck source=tests/release/chroot.sh
+. "$repo/tests/release/chroot.sh"
+chroot_releases test-deb
 cache=${NBD_VERITY_DEB_CACHE:-/var/cache/nbd-verity/deb}
 version=$(sed -n 's/^version = "\(.*\)"/\1/p' "$repo/pyproject.toml")
 bumped=$version+upgrade1
@@ -33,36 +30,10 @@ entered=()  # trees this run mounted things in
 
 log() { echo "test-deb: $*"; }
 
-# Every process whose root directory is tree $1: started inside the chroot.
-inside_pids() {
-    local proc pid
-    for proc in /proc/[0-9]*; do
-        pid=${proc#/proc/}
-        [ "$pid" = $$ ] && continue
-        [ "$(readlink "$proc/root" 2>/dev/null)" = "$1" ] && echo "$pid"
-    done
-    return 0
-}
-
-end_inside() {
-    local pid
-    for pid in $(inside_pids "$1"); do kill -TERM "$pid" 2>/dev/null || true; done
-    for _ in 1 2 3 4 5 6 7 8 9 10; do
-        [ -z "$(inside_pids "$1")" ] && return 0
-        sleep 0.5
-    done
-    for pid in $(inside_pids "$1"); do kill -KILL "$pid" 2>/dev/null || true; done
-}
-
-# Mount points under tree $1, deepest first.
-mounts_under() {
-    awk -v r="$1" '$2 == r || index($2, r "/") == 1 { print $2 }' /proc/self/mounts | sort -r
-}
-
 leave() {
     local point
-    end_inside "$1"
-    for point in $(mounts_under "$1"); do umount "$point" 2>/dev/null || umount -l "$point"; done
+    chroot_end "$1"
+    for point in $(chroot_mounts "$1"); do umount "$point" 2>/dev/null || umount -l "$point"; done
 }
 
 cleanup() {
@@ -93,32 +64,9 @@ in_tree() {
     wait $!
 }
 
-# The host's apt sources renamed for release $2, its Acquire settings and its resolver.
-configure_apt() {
-    local root=$1 release=$2 source file copied=0
-    mkdir -p "$root/etc/apt/sources.list.d" "$root/etc/apt/apt.conf.d"
-    for source in /etc/apt/sources.list.d/*.sources /etc/apt/sources.list; do
-        [ -f "$source" ] && grep -qw "$host" "$source" || continue
-        sed "s/\b$host\b/$release/g" "$source" > "$root/etc/apt/sources.list.d/$(basename "$source")"
-        copied=1
-    done
-    if [ "$copied" = 1 ] && [ -f "$root/etc/apt/sources.list.d/sources.list" ]; then
-        mv "$root/etc/apt/sources.list.d/sources.list" "$root/etc/apt/sources.list"
-    elif [ "$copied" = 1 ]; then
-        rm -f "$root/etc/apt/sources.list"
-    fi
-    # A package's own file (e.g. appstream's 50appstream) stays out: in the tree it would
-    # stop that package's installation at a conffile question.
-    for file in /etc/apt/apt.conf.d/*; do
-        grep -q '^[[:space:]]*Acquire' "$file" 2>/dev/null || continue
-        dpkg-query -S "$file" > /dev/null 2>&1 || cp "$file" "$root/etc/apt/apt.conf.d/"
-    done
-    cp -L /etc/resolv.conf "$root/etc/resolv.conf"
-    cp /etc/hosts "$root/etc/hosts"
-}
 
 # The pristine tree of release $1 (debootstrap into .partial, renamed when complete); each
-# copy gets the host's apt settings (configure_apt), the tree itself stays as made.
+# copy gets the host's apt settings (chroot_apt), the tree itself stays as made.
 base_tree() {
     local release=$1 base=$cache/$1-base mirror
     [ -x "$base/usr/bin/apt-get" ] && return 0
@@ -173,14 +121,14 @@ build_other() {
     if [ ! -x "$root/usr/bin/make" ]; then
         rm -rf --one-file-system "$root"
         cp -a "$cache/$other-base" "$root.partial"
-        configure_apt "$root.partial" "$other"
+        chroot_apt "$root.partial" "$other"
         enter "$root.partial"
         in_tree "$root.partial" "apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
             apt-get install -y -qq --no-install-recommends git make ca-certificates > /dev/null"
         leave "$root.partial"
         mv "$root.partial" "$root"
     fi
-    configure_apt "$root" "$other"
+    chroot_apt "$root" "$other"
     enter "$root"
     mkdir -p "$work/$other"
     clone "$repo" "$root/work/nbd-verity"
@@ -209,7 +157,7 @@ install_test() {
     leave "$root" 2>/dev/null || true
     rm -rf --one-file-system "$root"
     cp -a "$cache/$release-base" "$root"
-    configure_apt "$root" "$release"
+    chroot_apt "$root" "$release"
     enter "$root"
     mkdir -p "$root/tmp/deb"
     cp "$work/$release"/*.deb "$repo/tests/deb/in-tree.sh" "$repo/tests/deb/readback.py" \

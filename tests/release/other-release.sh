@@ -20,51 +20,27 @@
 set -euo pipefail
 
 repo=$(cd "$(dirname "$0")/../.." && pwd)
-host=$(. /etc/os-release && echo "${VERSION_CODENAME:-}")
-case "$host" in
-    bookworm) other=trixie ;;
-    trixie) other=bookworm ;;
-    *) echo "other-release: host release '$host' is neither bookworm nor trixie" >&2; exit 2 ;;
-esac
+# shellcheck source=tests/release/chroot.sh
+. "$repo/tests/release/chroot.sh"
+chroot_releases other-release
 cache=${NBD_VERITY_RELEASE_CACHE:-/var/cache/nbd-verity/release}
 root=$cache/$other
 
 log() { echo "other-release ($other): $*"; }
 
-# Every process whose root directory is the tree: started inside the chroot.
-inside_pids() {
-    local proc pid
-    for proc in /proc/[0-9]*; do
-        pid=${proc#/proc/}
-        [ "$pid" = $$ ] && continue
-        [ "$(readlink "$proc/root" 2>/dev/null)" = "$root" ] && echo "$pid"
-    done
-    return 0
-}
-
 end_inside() {
-    local pids pid
-    pids=$(inside_pids)
+    local pids
+    pids=$(chroot_pids "$root")
     [ -z "$pids" ] && return 0
     log "ending processes left in the tree: $(echo $pids)"
-    for pid in $pids; do kill -TERM "$pid" 2>/dev/null || true; done
-    for _ in 1 2 3 4 5 6 7 8 9 10; do
-        [ -z "$(inside_pids)" ] && return 0
-        sleep 0.5
-    done
-    for pid in $(inside_pids); do kill -KILL "$pid" 2>/dev/null || true; done
-}
-
-# Mount points under the tree, deepest first (also those a killed earlier run left).
-mounts_under() {
-    awk -v r="$1" '$2 == r || index($2, r "/") == 1 { print $2 }' /proc/self/mounts | sort -r
+    chroot_end "$root"
 }
 
 cleanup() {
     local status=$? point
     trap - EXIT INT TERM HUP
     end_inside
-    for point in $(mounts_under "$root"); do
+    for point in $(chroot_mounts "$root"); do
         umount "$point" 2>/dev/null || umount -l "$point" || true
     done
     exit "$status"
@@ -73,7 +49,7 @@ cleanup() {
 # Base tree: debootstrap into .partial, renamed when complete (a broken download is redone).
 build_tree() {
     local partial=$root.partial point
-    for point in $(mounts_under "$partial"); do umount -l "$point" || true; done
+    for point in $(chroot_mounts "$partial"); do umount -l "$point" || true; done
     rm -rf --one-file-system "$partial"
     command -v debootstrap >/dev/null || {
         log "installing debootstrap"
@@ -88,30 +64,13 @@ build_tree() {
         "$other" "$partial" "${mirror:-http://deb.debian.org/debian}" > "$cache/$other.log" 2>&1 \
         || { tail -20 "$cache/$other.log" >&2; log "debootstrap failed (log: $cache/$other.log)";
              exit 1; }
-    for point in $(mounts_under "$partial"); do umount -l "$point" || true; done
+    for point in $(chroot_mounts "$partial"); do umount -l "$point" || true; done
     mv "$partial" "$root"
 }
 
 # The host's apt sources for the other release, its Acquire settings, its resolver.
 configure_tree() {
-    local source file copied=0
-    mkdir -p "$root/etc/apt/sources.list.d" "$root/etc/apt/apt.conf.d"
-    for source in /etc/apt/sources.list.d/*.sources /etc/apt/sources.list; do
-        [ -f "$source" ] && grep -qw "$host" "$source" || continue
-        sed "s/\b$host\b/$other/g" "$source" > "$root/etc/apt/sources.list.d/$(basename "$source")"
-        copied=1
-    done
-    # debootstrap's own sources.list (its mirror, main only) stays if the host names no suite
-    if [ "$copied" = 1 ] && [ -f "$root/etc/apt/sources.list.d/sources.list" ]; then
-        mv "$root/etc/apt/sources.list.d/sources.list" "$root/etc/apt/sources.list"
-    elif [ "$copied" = 1 ]; then
-        rm -f "$root/etc/apt/sources.list"
-    fi
-    for file in /etc/apt/apt.conf.d/*; do
-        grep -q '^[[:space:]]*Acquire' "$file" 2>/dev/null && cp "$file" "$root/etc/apt/apt.conf.d/"
-    done
-    cp -L /etc/resolv.conf "$root/etc/resolv.conf"
-    cp /etc/hosts "$root/etc/hosts"
+    chroot_apt "$root" "$other"
     # The certificate authorities the host added, and how pip reaches its index: the
     # same registry from inside. Local wheel folders (find-links, file:// indexes) stay out.
     if [ -d /usr/local/share/ca-certificates ]; then
@@ -139,7 +98,7 @@ main() {
     trap 'exit 143' TERM HUP
     local point start=$SECONDS
     end_inside
-    for point in $(mounts_under "$root"); do umount -l "$point" || true; done
+    for point in $(chroot_mounts "$root"); do umount -l "$point" || true; done
     [ -x "$root/usr/bin/make" ] || build_tree
     configure_tree
     mount_in /proc "$root/proc" --bind
