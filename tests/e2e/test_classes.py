@@ -16,6 +16,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from nbd_verity.control.table import CLASSES
+
 from .conftest import DATA_SIZE, Images
 from .harness import NBD_VERITY, Server, guest_session
 
@@ -59,7 +61,9 @@ def set_thresholds(control: Path, settings: tuple[str, ...]) -> dict[str, int]:
     """Change the table with `nbd-verity ctl thresholds`; the table the server reports."""
     out = subprocess.run([str(NBD_VERITY), "ctl", "--control", str(control), "thresholds",
                           *settings], check=True, capture_output=True, text=True).stdout
-    table = dict((cls, int(value)) for cls, value in (line.split() for line in out.splitlines()))
+    rows = [line.split() for line in out.splitlines()]  # "CLASS VALUE [(pinned)]", then notes
+    table = {row[0]: int(row[1]) for row in rows if row and row[0] in CLASSES}
+    assert set(table) == set(CLASSES), out
     for setting in settings:
         cls, value = setting.split("=")
         assert table[cls] == int(value), f"asked {setting}, server reports {table}"
