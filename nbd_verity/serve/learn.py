@@ -13,15 +13,16 @@ path that served its size best lately:
   load there is; a path's cost is their median (the lower one of an even count): one
   disturbed request (the pool's first, which starts its threads; a preempted one) does
   not move it.
-- A bucket's first request takes the table's path; after that the cheaper path, except
-  that every EXPLORE-th request starts a run of RUN requests on the other one (at once
-  when it has no sample yet), so that a change of load (more clients, another process on
-  the cores) moves the choice within a few hundred requests. When the other path costs
-  over 1.5 times as much, a run starts only every EXPLORE_FAR-th request.
-- A run's first request is not counted: a path taken after others costs more at first
-  (measured on this 2-core VM: 2 MiB requests on the pool took 1.1-1.2 ms each in a
+- A bucket starts with a run of RUN requests on the table's path, then one on the other;
+  after that the cheaper path, except that every EXPLORE-th request starts a run on the
+  other one, so that a change of load (more clients, another process on the cores) moves
+  the choice within a few hundred requests. When the other path costs over 1.5 times as
+  much, a run starts only every EXPLORE_FAR-th request.
+- A run's first SKIP requests are not counted: a path taken after others costs more at
+  first (measured on this 2-core VM: 2 MiB requests on the pool took 1.1-1.2 ms each in a
   stream of pool requests, 1.4-2.2 ms when one in sixteen took it; its workers' CPUs had
-  gone idle), and counting it biased the choice against the path not taken.
+  gone idle), and counting them biased the choice against the path not taken (runs of 4
+  with one not counted still kept one client's 2 MiB reads inline).
 - The load rule of dispatch.py still applies on top: a request that should take the pool
   is verified inline when no worker is free (`busy_inline`).
 
@@ -40,9 +41,10 @@ from ..control.table import CLASSES, INLINE, POOL
 LEARN_MIN = 64 << 10  # smaller requests follow the table (inline, where it was measured)
 BUCKETS = 10  # 64 KiB, 128 KiB, ... 32 MiB (MAX_REQUEST_SIZE)
 WINDOW = 8  # samples kept per path: its cost is their median
-RUN = 4  # requests of a run on the path not chosen (its first one not counted)
-EXPLORE = 64  # every this-many-th request of a bucket starts a run on the other path
-EXPLORE_FAR = 256  # ... or this many, when that path costs over FAR times as much
+RUN = 16  # requests of a run on the path not chosen
+SKIP = 4  # of which the first are not counted
+EXPLORE = 256  # every this-many-th request of a bucket starts a run on the other path
+EXPLORE_FAR = 1024  # ... or this many, when that path costs over FAR times as much
 FAR = 1.5
 
 
@@ -70,7 +72,8 @@ class Learner:
         if row[6] > 0:  # a run goes on
             row[6] -= 1
             return row[5]
-        if inline is None and pool is None:
+        if inline is None and pool is None:  # the first: a run of the table's path
+            row[5], row[6], row[7] = table_path, RUN - 1, SKIP
             return table_path
         if inline is None or pool is None:
             other = INLINE if inline is None else POOL
@@ -80,13 +83,13 @@ class Learner:
             every = EXPLORE_FAR if ratio > FAR else EXPLORE
             if count % every != every - 1:
                 return best
-        row[5], row[6], row[7] = other, RUN - 1, 1  # a run of the other path
+        row[5], row[6], row[7] = other, RUN - 1, SKIP  # a run of the other path
         return other
 
     def record(self, io_class: int, length: int, path: str, seconds: float) -> None:
         row = self._rows[io_class][bucket(length)]
-        if row[7] and path == row[5]:  # a run's first request: not counted
-            row[7] = 0
+        if row[7] and path == row[5]:  # a run's first requests: not counted
+            row[7] -= 1
             return
         index = 0 if path == INLINE else 1
         samples = row[3 + index]
