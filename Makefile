@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 DEB_PACKAGES_ALL := nbdkit nbdkit-plugin-python python3-libnbd libnbd-bin fio cryptsetup-bin \
 	nbd-client python3-venv python3-asn1crypto python3-cryptography nbdfuse fuse3 e2fsprogs \
 	util-linux openssl qemu-system-x86 socat busybox-static dmsetup iproute2 systemd fdisk \
-	gcc python3-dev libssl-dev lighttpd python3-boto3 strace
+	gcc python3-dev libssl-dev lighttpd python3-boto3 strace dpkg-dev groff-base
 DEB_PACKAGES_bookworm :=                 # Debian 12: systemd carries systemd-repart
 DEB_PACKAGES_trixie := systemd-repart    # Debian 13: its own package, not pulled in by systemd
 RELEASE := $(shell . /etc/os-release 2>/dev/null && echo $$VERSION_CODENAME)

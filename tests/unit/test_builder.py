@@ -8,13 +8,14 @@ import threading
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
 from nbd_verity.cli import main
 from nbd_verity.errors import DataCorruption, HashCorruption, ImageIOError
 from nbd_verity.format import builder
 from nbd_verity.format.params import VerityParams
 from nbd_verity.sources.source import ImageFile
+
+from ..cli_runner import cli_runner
 
 
 def make_data(path: Path, size: int, seed: int = 7) -> Path:
@@ -208,7 +209,7 @@ def test_cli_prints_ten_blocks_then_a_count(tmp_path, image):
     for block in range(13):
         buf[block * 4096] ^= 1
     data.write_bytes(bytes(buf))
-    result = CliRunner().invoke(main, ["verify", str(data), str(hash_image), root.hex()])
+    result = cli_runner().invoke(main, ["verify", str(data), str(hash_image), root.hex()])
     assert result.exit_code == 1
     assert result.stderr.splitlines() == [
         *(f"nbd-verity: data block {i} is corrupted" for i in range(10)),

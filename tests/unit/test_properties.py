@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from unittest import mock
 
-from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -29,6 +28,7 @@ from nbd_verity.format.builder import build_tree
 from nbd_verity.format.digest import Digester, engines_present
 from nbd_verity.format.params import VerityParams
 
+from ..cli_runner import cli_runner
 from ..damage import flip_byte
 
 # Algorithms whose hashlib name equals veritysetup's, so the model can call hashlib directly.
@@ -163,7 +163,7 @@ def corruptions(draw) -> tuple[Layout, str, int, int, int, int]:
 def test_any_corrupted_byte_is_found_and_named(case):
     layout, target, level, index, byte, xor = case
     geo = layout.params().geometry()
-    runner = CliRunner()
+    runner = cli_runner()
     with tempfile.TemporaryDirectory() as tmp, on_engine(layout.engine):
         data, hash_image = Path(tmp, "data"), Path(tmp, "hash")
         data.write_bytes(layout.data())
