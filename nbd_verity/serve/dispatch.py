@@ -16,12 +16,13 @@ request on; none in flight is disturbed.
 
 Under load the table alone is not right (docs/control.md, "Dispatch under load"). For a
 class whose threshold nobody set explicitly, a request of at least 64 KiB takes the path
-that served its class and size best lately (learn.py: moving averages per path, the
-other path tried now and then), and one that should take the pool goes there only while
-such requests are at most half the workers and a worker is free (pool.demand);
-otherwise it is verified inline, in its own nbdkit thread, instead of waiting in the
-queue behind other connections' chunks (counted as `busy_inline`). A threshold set with
---threshold or `ctl thresholds` pins its class: the table alone decides, exactly.
+that served its class and size best lately (learn.py: the median cost of each path's
+last requests, the other path tried now and then), and one that should take the pool
+goes there only while such requests are at most half the workers and a worker is free
+(pool.demand); otherwise it is verified inline, in its own nbdkit thread, instead of
+waiting in the queue behind other connections' chunks (counted as `busy_inline`). A
+threshold set with --threshold or `ctl thresholds` pins its class: the table alone
+decides, exactly.
 """
 
 from __future__ import annotations

@@ -60,7 +60,6 @@ class ClassGate:
         self._open = [0] * RANKS  # connections open, per rank
         self._active = [0] * RANKS  # requests in flight, per rank (counted only when a
         self._ended = [0.0] * RANKS  # worse rank is open); the last one's end, monotonic
-        self._waiting = 0
         self.waits = [0] * RANKS  # requests that waited, per rank (ctl stats)
         self.aged = [0] * RANKS  # of which ran because they had waited wait_s
         self.waited_s = [0.0] * RANKS  # time spent waiting, per rank
@@ -104,9 +103,9 @@ class ClassGate:
             self._active[rank] -= 1
             self._ended[rank] = time.monotonic()
 
-    def _busy_until(self, rank: int, now: float) -> float | None:
+    def _busy_until(self, rank: int) -> float | None:
         """Until when a better rank than rank counts as busy (None: it is in flight);
-        a time <= now when none is."""
+        a time in the past when none is."""
         until = 0.0
         for better in range(rank):
             if self._active[better]:
@@ -117,31 +116,27 @@ class ClassGate:
     def _wait(self, rank: int) -> None:
         with self._cond:
             now = time.monotonic()
-            until = self._busy_until(rank, now)
+            until = self._busy_until(rank)
             if until is not None and until <= now:
                 return
             started = now
             deadline = now + self.wait_s
-            self._waiting += 1
-            try:
-                step = self.quiet_s
-                while True:  # look again at the end of the quiet, or after step
-                    if until is None:  # in flight: look again later and later
-                        wake, step = now + step, min(POLL_MAX_S, 2 * step)
-                    else:
-                        wake = until
-                    self._cond.wait(min(deadline, wake) - now)
-                    now = time.monotonic()
-                    until = self._busy_until(rank, now)
-                    if until is not None and until <= now:
-                        break
-                    if now >= deadline:
-                        self.aged[rank] += 1
-                        break
-            finally:
-                self._waiting -= 1
-                self.waits[rank] += 1
-                self.waited_s[rank] += now - started
+            step = self.quiet_s
+            while True:  # look again at the end of the quiet, or after step
+                if until is None:  # in flight: look again later and later
+                    wake, step = now + step, min(POLL_MAX_S, 2 * step)
+                else:
+                    wake = until
+                self._cond.wait(min(deadline, wake) - now)
+                now = time.monotonic()
+                until = self._busy_until(rank)
+                if until is not None and until <= now:
+                    break
+                if now >= deadline:
+                    self.aged[rank] += 1
+                    break
+            self.waits[rank] += 1
+            self.waited_s[rank] += now - started
 
     def snapshot(self) -> dict:
         """Per rank: connections open, requests that waited, of which aged, seconds."""

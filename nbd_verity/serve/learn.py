@@ -2,10 +2,10 @@
 
 The start-up calibration (calibrate.py) times one request at a time on an idle server,
 and a start on a busy machine, or one core's neighbour at work, keeps what it measured
-then (measured: the same quiet machine gave 256 KiB, 4 MiB and all inline in three
-starts, while fio's 2 MiB reads from one client ran 1009 MB/s on the pool and 760
-inline). So for a class nobody pinned, a request of at least LEARN_MIN bytes takes the
-path that served its size best lately:
+then (measured: three starts on the same quiet machine chose 4 MiB, 4 MiB and all
+inline, minutes after one chose 256 KiB, while fio's 2 MiB reads from one client ran
+1009 MB/s on the pool and 760 inline). So for a class nobody pinned, a request of at
+least LEARN_MIN bytes takes the path that served its size best lately:
 
 - Requests are grouped by class and size bucket (powers of two: 64 KiB up to 128 KiB,
   ... up to 32 MiB). Each bucket keeps, per path, the seconds per byte of its last
@@ -19,10 +19,11 @@ path that served its size best lately:
   the choice within a few hundred requests. When the other path costs over 1.5 times as
   much, a run starts only every EXPLORE_FAR-th request.
 - A run's first SKIP requests are not counted: a path taken after others costs more at
-  first (measured on this 2-core VM: 2 MiB requests on the pool took 1.1-1.2 ms each in a
-  stream of pool requests, 1.4-2.2 ms when one in sixteen took it; its workers' CPUs had
-  gone idle), and counting them biased the choice against the path not taken (runs of 4
-  with one not counted still kept one client's 2 MiB reads inline).
+  first (measured on this 2-core VM: 2 MiB requests on the pool took 1.1-1.2 ms each in
+  a stream of pool requests, 1.4-2.2 ms when one in sixteen took it; likely because its
+  workers' CPUs had gone idle, not measured apart), and counting them biased the choice
+  against the path not taken (runs of 4 with one not counted still kept one client's 2
+  MiB reads inline).
 - The load rule of dispatch.py still applies on top: a request that should take the pool
   is verified inline when no worker is free (`busy_inline`).
 
