@@ -100,6 +100,7 @@ bench: setup
 	$(PY) bench/threads.py 3 5   # the fast path under each thread model: the three ratios
 	$(PY) bench/profile4k.py 3 5   # a 4 KiB request's CPU, part by part (perf)
 	$(PY) bench/exports.py 3   # many exports from one server against one per image
+	$(PY) bench/qos.py 3 5   # classes as priorities, the dispatch under load
 
 e2e: setup
 	$(PY) -m pytest tests/e2e tests/test_systemd.py

@@ -7,8 +7,11 @@ one aggregate job. Sequential jobs each start in their own slice of the device
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
+import signal
 import subprocess
 from dataclasses import dataclass
 
@@ -74,6 +77,54 @@ def run(uri: str, job: Job, device_size: int) -> Result:
     if proc.returncode != 0:
         raise RuntimeError(f"fio failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr}")
     return parse(proc.stdout, " ".join(cmd))
+
+
+class Running:
+    """fio started in the background, so that its processes can be paused and resumed
+    together (SIGSTOP, SIGCONT) while it runs. Its job processes each start a session of
+    their own: they are found as its children."""
+
+    def __init__(self, uri: str, job: Job, device_size: int) -> None:
+        self.cmd = argv(uri, job, device_size)
+        self.job = job
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True)
+
+    def pids(self) -> list[int]:
+        """fio's process and its children (the jobs)."""
+        found = [self.proc.pid]
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+            except OSError:  # ended meanwhile
+                continue
+            if int(stat[stat.rindex(")") + 2:].split()[1]) == self.proc.pid:
+                found.append(int(entry))
+        return found
+
+    def signal(self, signum: int) -> None:
+        if self.proc.poll() is not None:
+            return
+        for pid in self.pids():
+            with contextlib.suppress(ProcessLookupError):  # ended meanwhile
+                os.kill(pid, signum)
+
+    def finish(self) -> Result:
+        """Resume it if paused, wait for its end; raise with its stderr when it failed."""
+        self.signal(signal.SIGCONT)
+        try:
+            stdout, stderr = self.proc.communicate(timeout=self.job.runtime + 120)
+        except subprocess.TimeoutExpired:
+            self.signal(signal.SIGKILL)
+            self.proc.communicate()
+            raise RuntimeError(f"fio did not end: {' '.join(self.cmd)}") from None
+        if self.proc.returncode != 0:
+            raise RuntimeError(f"fio failed ({self.proc.returncode}): {' '.join(self.cmd)}"
+                               f"\n{stderr}")
+        return parse(stdout, " ".join(self.cmd))
 
 
 def parse(stdout: str, what: str = "fio") -> Result:

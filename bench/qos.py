@@ -4,14 +4,17 @@ classes and dispatch under load"). Two tables, each over ROUNDS interleaved roun
 QoS. A QD1 4 KiB random reader (libnbd, one request at a time) of one class, alone and
 beside a bulk load of another (4 fio jobs, nbd engine, 2 MiB sequential, default CPU
 priority), on one server; the same with class priorities off
-(NBD_VERITY_CLASS_PRIORITY=0) beside it. Targets: be reader's p99 with an idle bulk load
-<= 1.5x alone; rt reader's p99 with a be bulk load <= 1.5x alone; an idle bulk load alone
->= 0.95 of a be bulk load alone.
+(NBD_VERITY_CLASS_PRIORITY=0) beside it. Alone and beside are measured in turns of
+SLICE_S within one run (the load paused with SIGSTOP in the alone slices), so that the
+host's bursts of CPU steal fall on both alike; each round prints the steal it saw.
+Targets: be reader's p99 with an idle bulk load <= 1.5x alone; rt reader's p99 with a be
+bulk load <= 1.5x alone; an idle bulk load alone >= 0.95 of a be bulk load alone.
 
 Dispatch. For 4 KiB random x8, 64 KiB random x8, 512 KiB sequential x8, 2 MiB sequential
 x1 and x4 (fio, nbd engine): the default server's MB/s against each fixed table (all
-inline, all pool, 64K, 256K, 1M, set with `ctl thresholds`: pinned). Target: the default
->= 0.95 of the best fixed table for each workload.
+inline, all pool, 64K, 256K, 1M, set with `ctl thresholds`: pinned), in an order that
+turns by one table each round. Target: the default >= 0.95 of the best fixed table for
+each workload.
 
 With --baseline DIR (a checkout of an earlier main, its extensions built in place:
 `python setup.py build_ext --inplace` there), a server of that checkout on its own
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 import statistics
 import sys
 import threading
@@ -48,23 +52,11 @@ WORKLOADS = [fiorun.Job("randread", 4 * KIB), fiorun.Job("randread", 64 * KIB),
 TABLES = {"all inline": 32 * MIB, "all pool": 0, "64K": 64 * KIB, "256K": 256 * KIB,
           "1M": MIB}
 CLASSES = ("none", "rt", "be", "idle")
-
-
-def reader(uri: str, seconds: float, stop: threading.Event | None = None) -> list[float]:
-    """QD1 4 KiB random reads for seconds: every latency, in seconds."""
-    h = nbd.NBD()
-    h.connect_uri(uri)
-    rng = random.Random(1)
-    blocks = SIZE // 4096
-    latencies = []
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        offset = rng.randrange(blocks) * 4096
-        started = time.perf_counter()
-        h.pread(4096, offset)
-        latencies.append(time.perf_counter() - started)
-    h.shutdown()
-    return latencies
+SLICE_S = 1.25  # QoS: the reader's slices alone and beside the load, in turn: longer than
+# the gate's 1 s bound, so that a slice beside the load holds the requests that ran because
+# they had waited that long, at the rate a continuous load gets them
+TURN_S = 0.1  # ... and the pause at each turn (not counted): longer than the gate's 8 ms
+# quiet plus its waiters' 64 ms between looks, so a paused load's requests end in it
 
 
 def p99(latencies: list[float]) -> float:
@@ -72,34 +64,85 @@ def p99(latencies: list[float]) -> float:
     return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] * 1e6
 
 
-def with_bulk(server, reader_class: str, bulk_class: str | None, seconds: float):
-    """(reader p99 us, bulk MB/s or None) with the bulk load beside the reader."""
-    result: dict = {}
-    bulk = None
-    if bulk_class is not None:
-        job = fiorun.Job(BULK.rw, BULK.bs, numjobs=BULK.numjobs, runtime=seconds + 1)
-        bulk = threading.Thread(target=lambda: result.update(
-            bulk=fiorun.run(server.uri(f"@{bulk_class}"), job, SIZE)))
-        bulk.start()
-        time.sleep(0.5)  # the load is running before the reader starts
-    latencies = reader(server.uri(f"@{reader_class}"), seconds)
-    if bulk is not None:
-        bulk.join()
-    return p99(latencies), (result["bulk"].mb_s if "bulk" in result else None)
+def paired(server, reader_class: str, bulk_class: str, seconds: float) -> tuple[float, float]:
+    """(reader p99 us alone, beside the bulk load): one reader and one fio bulk load run
+    for 2 x seconds, the load paused (SIGSTOP) and resumed in turn every SLICE_S, so
+    that both figures come from the same seconds of this shared machine (its CPU steal
+    comes in bursts of seconds: docs/benchmarks.md). Slices go alone, beside, beside,
+    alone, ... At each turn the reader stops for TURN_S and its requests of the moment
+    are not counted: once paused, the load's requests in flight end (the gate lets them
+    through when the reader has been quiet for its 8 ms and they look again), and once
+    resumed it is running again. In the alone slices the load's connections stay open,
+    idle."""
+    slices = max(2, round(seconds / SLICE_S)) * 2
+    job = fiorun.Job(BULK.rw, BULK.bs, numjobs=BULK.numjobs,
+                     runtime=slices * (SLICE_S + TURN_S) + 3)
+    samples: dict = {"alone": [], "beside": []}
+    phase: list = [None, 0]  # the slice's name (None: a turn), and a count of turns
+    done = threading.Event()
+    errors: list = []
+
+    def read() -> None:
+        try:
+            h = nbd.NBD()
+            h.connect_uri(server.uri(f"@{reader_class}"))
+            rng = random.Random(1)
+            blocks = SIZE // 4096
+            while not done.is_set():
+                name, turn = phase
+                if name is None:
+                    time.sleep(0.001)
+                    continue
+                offset = rng.randrange(blocks) * 4096
+                started = time.perf_counter()
+                h.pread(4096, offset)
+                seconds = time.perf_counter() - started
+                if phase == [name, turn]:  # no turn began while it ran
+                    samples[name].append(seconds)
+            h.shutdown()
+        except Exception as e:  # reported by the caller
+            errors.append(e)
+
+    bulk = fiorun.Running(server.uri(f"@{bulk_class}"), job, SIZE)
+    reader_thread = threading.Thread(target=read)
+    try:
+        time.sleep(0.5)  # the load is connected and running
+        reader_thread.start()
+        for i in range(slices):
+            name = "beside" if i % 4 in (1, 2) else "alone"
+            phase[:] = [None, phase[1] + 1]
+            bulk.signal(signal.SIGCONT if name == "beside" else signal.SIGSTOP)
+            time.sleep(TURN_S)
+            phase[:] = [name, phase[1]]
+            time.sleep(SLICE_S)
+    finally:
+        done.set()
+        if reader_thread.is_alive():
+            reader_thread.join()
+        bulk.signal(signal.SIGKILL)
+        bulk.proc.communicate()
+    if errors:
+        raise errors[0]
+    return p99(samples["alone"]), p99(samples["beside"])
 
 
 def qos_round(servers_by_name: dict, seconds: float, out: dict) -> None:
     for name, server in servers_by_name.items():
-        for reader_class, bulk_class in (("be", None), ("be", "idle"), ("rt", None),
-                                         ("rt", "be")):
-            us, _ = with_bulk(server, reader_class, bulk_class, seconds)
-            key = f"{name}: {reader_class} reader p99 us" + (
-                f", {bulk_class} bulk beside" if bulk_class else ", alone")
-            out.setdefault(key, []).append(us)
+        for reader_class, bulk_class in (("be", "idle"), ("rt", "be")):
+            alone, beside = paired(server, reader_class, bulk_class, seconds)
+            key = f"{name}: {reader_class} reader p99 us"
+            out.setdefault(f"{key}, alone", []).append(alone)
+            out.setdefault(f"{key}, {bulk_class} bulk beside", []).append(beside)
         for bulk_class in ("be", "idle"):
             job = fiorun.Job(BULK.rw, BULK.bs, numjobs=BULK.numjobs, runtime=seconds)
             mb_s = fiorun.run(server.uri(f"@{bulk_class}"), job, SIZE).mb_s
             out.setdefault(f"{name}: {bulk_class} bulk alone MB/s", []).append(mb_s)
+
+
+def steal() -> int:
+    """The host's CPU steal so far, in clock ticks (/proc/stat)."""
+    with open("/proc/stat") as f:
+        return int(f.readline().split()[8])
 
 
 def set_table(server, name: str | None) -> None:
@@ -109,10 +152,14 @@ def set_table(server, name: str | None) -> None:
         server.ctl({"cmd": "thresholds", "set": {c: TABLES[name] for c in CLASSES}})
 
 
-def dispatch_round(server, seconds: float, out: dict, baseline=None) -> None:
+def dispatch_round(server, seconds: float, out: dict, baseline=None, turn: int = 0) -> None:
+    """Each workload on each table; round turn starts turn tables later, so that no table
+    always runs first."""
+    order = [None, *TABLES]
+    order = order[turn % len(order):] + order[:turn % len(order)]
     for job in WORKLOADS:
         timed = fiorun.Job(job.rw, job.bs, numjobs=job.numjobs, runtime=seconds)
-        for table in (None, *TABLES):
+        for table in order:
             set_table(server, table)
             mb_s = fiorun.run(server.uri("@be"), timed, SIZE).mb_s
             out.setdefault((job.label(), table or "default"), []).append(mb_s)
@@ -191,9 +238,14 @@ def main(argv: list[str]) -> int:
         for server in started.values():
             server.start(timeout=120)
         qos_servers = {k: v for k, v in started.items() if v is not baseline}
-        for _ in range(rounds):
+        for turn in range(rounds):
+            ticks, began = steal(), time.monotonic()
             qos_round(qos_servers, seconds, qos)
-            dispatch_round(started["priorities on"], seconds, dispatch, baseline)
+            dispatch_round(started["priorities on"], seconds, dispatch, baseline, turn)
+            share = (steal() - ticks) / os.sysconf("SC_CLK_TCK") / (
+                (time.monotonic() - began) * (os.cpu_count() or 1))
+            print(f"round {turn + 1}: CPU steal {100 * share:.1f}% of this machine's CPU "
+                  f"time", file=sys.stderr)
     finally:
         for server in started.values():
             server.stop()

@@ -254,6 +254,7 @@ class Connection:
         self.readahead = (Readahead(device.verifier, device.config.readahead_min_size)
                           if device.readahead else None)
         self.fast = fastpath.bind(self)
+        self.clock = [0.0, 0.0, 0, None, 0]  # its last learned request (Dispatcher.read)
 
     @classmethod
     def open(cls, device: Device) -> Connection:
@@ -270,7 +271,7 @@ class Connection:
         if self.readahead is not None:
             self.readahead.before_read(offset, len(buf))
         try:
-            device.dispatcher.read(buf, offset, self.io_class)
+            device.dispatcher.read(buf, offset, self.io_class, self.clock)
         except ImageIOError as e:
             device.verifier.counters.add(io_errors=1)
             log(str(e))

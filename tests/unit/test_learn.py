@@ -1,15 +1,17 @@
-"""The learned inline-or-pool choice (serve/learn.py): a run of the table's path first,
-then a run of the other, then the cheaper one (median of its last WINDOW) with a run of
-the other every EXPLORE-th request (EXPLORE_FAR-th when it is far worse), a run's first
-SKIP requests not counted, following a change of load; one disturbed request does not
-move it; pinned classes and small requests never consult it."""
+"""The learned inline-or-pool choice (serve/learn.py): a trial first (a run of the
+table's path, then one of the other), then the cheaper one, with a trial every
+EXPLORE-th request (EXPLORE_FAR-th when one path is far worse), or at once when the
+chosen path's own requests cost far more than the other did; a run's first SKIP requests
+not counted; one disturbed request does not move it; a request's cost is its client's
+whole cycle; pinned classes and small requests never consult it."""
 
 from __future__ import annotations
 
 import threading
+import time
 
 from nbd_verity.control.table import INLINE, POOL
-from nbd_verity.serve.dispatch import Dispatcher
+from nbd_verity.serve.dispatch import CYCLE_GAP_S, Dispatcher
 from nbd_verity.serve.learn import EXPLORE, EXPLORE_FAR, LEARN_MIN, RUN, SKIP, Learner, bucket
 
 BE, IDLE = 2, 3
@@ -38,7 +40,8 @@ def test_table_first_then_the_other_then_the_cheaper_with_exploration():
     chosen = feed(learner, 2 * MIB, {INLINE: 0.0010, POOL: 0.0009}, warm + 4 * EXPLORE)
     assert chosen[:warm] == [INLINE] * RUN + [POOL] * RUN  # a run of each, the table's first
     rest = chosen[warm:]
-    assert rest.count(INLINE) == 4 * RUN, rest  # a run every EXPLORE (under 1.5x cheaper)
+    assert rest.count(INLINE) == 4 * RUN, rest  # a trial every EXPLORE (under 1.5x cheaper)
+    assert rest[EXPLORE - warm:EXPLORE - warm + 2 * RUN] == [POOL] * RUN + [INLINE] * RUN
     snap = learner.snapshot()["be"]
     assert snap["pool_from"] == 2 * MIB
     row = snap["buckets"][str(2 * MIB)]
@@ -120,11 +123,31 @@ def test_an_unpinned_class_learns_through_the_dispatcher():
     d, _ = dispatcher(frozenset())
     try:
         buf = memoryview(bytearray(2 * MIB))
-        for _ in range(40):
+        for _ in range(2 * RUN + 8):
             d.read(buf, 0, BE)
         snap = d.stats.snapshot()["be"]
         assert snap["inline"]["requests"] >= 1 and snap["pool"]["requests"] >= 1  # both tried
         row = d.learner.snapshot()["be"]["buckets"][str(2 * MIB)]
-        assert row["requests"] == 40 and row["choice"] in (INLINE, POOL)
+        assert row["requests"] == 2 * RUN + 8 and row["choice"] in (INLINE, POOL)
     finally:
         d.stop()
+
+
+def test_a_learned_requests_cost_is_its_clients_whole_cycle():
+    """The time from a request's start to its connection's next one is its sample (the
+    reply's way out and the next request's way in are part of what its path costs the
+    client), unless the client was quiet for longer than CYCLE_GAP_S in between."""
+    for gap, least, most in ((0.005, 0.005, CYCLE_GAP_S), (CYCLE_GAP_S + 0.02, 0, 0.005)):
+        d, _ = dispatcher(frozenset())
+        clock = [0.0, 0.0, 0, None, 0]
+        try:
+            buf = memoryview(bytearray(2 * MIB))
+            for _ in range(2 * RUN + 1):  # a trial, and the request that ends its last
+                d.read(buf, 0, BE, clock)
+                time.sleep(gap)
+            row = d.learner.snapshot()["be"]["buckets"][str(2 * MIB)]
+        finally:
+            d.stop()
+        for path in ("inline", "pool"):
+            seconds = row[f"{path}_us_per_mib"] * 2 / 1e6  # per 2 MiB request
+            assert least <= seconds < most, (gap, row)
