@@ -83,8 +83,8 @@ def _median(samples: list[float]) -> float | None:
 class _Row:
     """One class's bucket."""
 
-    __slots__ = ("choice", "costs", "left", "next_trial", "path", "requests", "run",
-                 "samples", "skip", "steady", "trial_start", "trials")
+    __slots__ = ("choice", "costs", "early", "left", "next_trial", "path", "requests", "run",
+                 "samples", "skip", "steady", "trial_start", "trials", "tried")
 
     def __init__(self) -> None:
         self.choice: str | None = None  # None: before its first trial
@@ -98,6 +98,8 @@ class _Row:
         self.samples: tuple[list, list] = ([], [])  # the trial's, per run
         self.costs: dict = {INLINE: None, POOL: None}  # seconds per byte, of the TRIALS
         self.trials: deque = deque(maxlen=TRIALS)  # the last ones' {path: cost}
+        self.tried = 0  # trials started
+        self.early = 0  # of which early (the chosen path's cost rose)
         self.steady: deque = deque(maxlen=WINDOW)  # the choice's, since the last trial
 
 
@@ -121,6 +123,7 @@ class Learner:
             row.samples = ([], [])
             row.steady.clear()
             row.trial_start = count
+            row.tried += 1
             row.next_trial = count + self._every(row)
             self._start_run(row, 1, row.choice)
         if row.run:
@@ -167,6 +170,7 @@ class Learner:
                         and _median(list(row.steady)) > EARLY_RATIO * other
                         and row.next_trial > row.trial_start + EARLY):
                     row.next_trial = max(row.trial_start + EARLY, row.requests)
+                    row.early += 1
             return
         if path != row.path:  # another run's request
             return
@@ -200,7 +204,8 @@ class Learner:
                 if choice == POOL and pool_from is None:
                     pool_from = size
                 buckets[str(size)] = {
-                    "requests": row.requests, "choice": choice,
+                    "requests": row.requests, "choice": choice, "trials": row.tried,
+                    "early_trials": row.early,
                     "inline_us_per_mib": _per_mib(row.costs[INLINE]),
                     "pool_us_per_mib": _per_mib(row.costs[POOL])}
             if buckets:
