@@ -47,10 +47,14 @@ def test_a_connections_threads_run_at_its_class(default_image, servers, name, ni
     for offset in range(0, 1 << 20, 4096):  # every request on the connection's threads
         assert h.pread(4096, offset) == default_image.expected(offset, 4096)
     after = thread_nices(server.pid)
-    new = {tid: n for tid, n in after.items() if tid not in before or before[tid] != n}
+    changed = {tid: n for tid, n in after.items() if tid in before and before[tid] != n}
+    born = {tid: n for tid, n in after.items() if tid not in before}
     if nice != 0:
-        assert nice in new.values(), (before, after)
-    assert all(n == nice for n in new.values()), new  # nothing else changed
+        assert nice in {**changed, **born}.values(), (before, after)
+    assert all(n == nice for n in changed.values()), changed  # nothing else changed
+    # the connection's threads: at its class once they served a request (nbdkit starts
+    # more threads than a client of one request at a time may reach, on a busy machine)
+    assert all(n in (nice, 0) for n in born.values()), born
     assert before[server.pid] == after[server.pid] == 0  # the main thread stays
 
 
