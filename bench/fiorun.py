@@ -112,19 +112,15 @@ class Running:
             with contextlib.suppress(ProcessLookupError):  # ended meanwhile
                 os.kill(pid, signum)
 
-    def finish(self) -> Result:
-        """Resume it if paused, wait for its end; raise with its stderr when it failed."""
-        self.signal(signal.SIGCONT)
-        try:
-            stdout, stderr = self.proc.communicate(timeout=self.job.runtime + 120)
-        except subprocess.TimeoutExpired:
-            self.signal(signal.SIGKILL)
-            self.proc.communicate()
-            raise RuntimeError(f"fio did not end: {' '.join(self.cmd)}") from None
-        if self.proc.returncode != 0:
-            raise RuntimeError(f"fio failed ({self.proc.returncode}): {' '.join(self.cmd)}"
-                               f"\n{stderr}")
-        return parse(stdout, " ".join(self.cmd))
+    def stop(self) -> None:
+        """End it (SIGKILL to every process of it); raise with its stderr when it had
+        ended before: a load that was not there."""
+        if self.proc.poll() is not None:
+            _, stderr = self.proc.communicate()
+            raise RuntimeError(f"fio ended early ({self.proc.returncode}): "
+                               f"{' '.join(self.cmd)}\n{stderr}")
+        self.signal(signal.SIGKILL)
+        self.proc.communicate()
 
 
 def parse(stdout: str, what: str = "fio") -> Result:

@@ -119,8 +119,7 @@ def paired(server, reader_class: str, bulk_class: str, seconds: float) -> tuple[
         done.set()
         if reader_thread.is_alive():
             reader_thread.join()
-        bulk.signal(signal.SIGKILL)
-        bulk.proc.communicate()
+        bulk.stop()
     if errors:
         raise errors[0]
     return p99(samples["alone"]), p99(samples["beside"])

@@ -16,8 +16,8 @@ request on; none in flight is disturbed.
 
 Under load the table alone is not right (docs/control.md, "Dispatch under load"). For a
 class whose threshold nobody set explicitly, a request of at least 64 KiB takes the path
-that served its class and size best lately (learn.py: the median cost of each path's
-last requests, the other path tried now and then), and one that should take the pool
+that won its class and size's recent trials (learn.py: each path's cost its median over
+short runs of both back to back, of whole client cycles), and one that should take the pool
 goes there only while such requests are at most half the workers and a worker is free
 (pool.demand); otherwise it is verified inline, in its own nbdkit thread, instead of
 waiting in the queue behind other connections' chunks (counted as `busy_inline`). A
@@ -151,12 +151,12 @@ class Dispatcher:
         """clock: the connection's (Connection.clock), so that a learned request's cost is
         its whole cycle as its client sees it (see _learned); None: the request alone."""
         length = len(buf)
+        if clock is not None and clock[0]:  # any next request ends the last one's cycle
+            self._learned(clock, time.perf_counter())
         path = decide(self.table, io_class, length)
         if io_class in self.pinned or length < LEARN_MIN:
             self._timed(buf, offset, io_class, path)
             return
-        if clock is not None and clock[0]:
-            self._learned(clock, time.perf_counter())
         path = self.learner.choose(io_class, length, path)
         if path == POOL:
             with (self._pool or self.start()).demand() as worth:
@@ -174,7 +174,8 @@ class Dispatcher:
         client's 2 MiB reads were 8% faster on the pool as the client saw them, and 20%
         slower on it timed inside the server). When the client was quiet for over
         CYCLE_GAP_S in between, or sent this one before the last had ended, the request
-        alone is the sample."""
+        alone is the sample. Requests the fast path answered in between (fastpath.py, which
+        does not come here) count into the cycle."""
         started, ended, length, path, io_class = clock
         clock[0] = 0.0
         gap = now - ended

@@ -189,8 +189,9 @@ class Learner:
 
     def snapshot(self) -> dict:
         """Per class with requests: its buckets (bytes from) with µs per MiB on each path
-        in the last trial and the choice (None before one ended), and the smallest bucket
-        the pool is chosen for (None: none)."""
+        over the last trials, the choice (None before a trial ended) and the trials
+        started (early ones apart), and the smallest bucket the pool is chosen for (None:
+        none)."""
         out: dict = {}
         for c, rows in enumerate(self._rows):
             buckets = {}

@@ -151,3 +151,17 @@ def test_a_learned_requests_cost_is_its_clients_whole_cycle():
         for path in ("inline", "pool"):
             seconds = row[f"{path}_us_per_mib"] * 2 / 1e6  # per 2 MiB request
             assert least <= seconds < most, (gap, row)
+
+
+def test_any_next_request_ends_a_learned_requests_cycle():
+    """A small request after a learned one ends its cycle there (the sample is taken),
+    rather than a later learned request stretching it over the small ones."""
+    d, _ = dispatcher(frozenset())
+    clock = [0.0, 0.0, 0, None, 0]
+    try:
+        d.read(memoryview(bytearray(2 * MIB)), 0, BE, clock)
+        assert clock[0] > 0  # its sample waits for the connection's next request
+        d.read(memoryview(bytearray(4096)), 0, BE, clock)  # under LEARN_MIN: the table's
+        assert clock[0] == 0.0
+    finally:
+        d.stop()
