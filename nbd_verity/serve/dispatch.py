@@ -162,9 +162,9 @@ class Dispatcher:
             with (self._pool or self.start()).demand() as worth:
                 if not worth:  # the cores are taken: this thread verifies it, no queueing
                     self._busy_inline.row()[io_class] += 1
-                self._timed(buf, offset, io_class, POOL if worth else INLINE, clock, True)
+                self._timed(buf, offset, io_class, POOL if worth else INLINE, clock, POOL)
             return
-        self._timed(buf, offset, io_class, path, clock, True)
+        self._timed(buf, offset, io_class, path, clock, INLINE)
 
     def _learned(self, clock: list, now: float) -> None:
         """The connection's previous learned request, now that its next one has come: its
@@ -180,10 +180,13 @@ class Dispatcher:
         clock[0] = 0.0
         gap = now - ended
         seconds = now - started if 0 <= gap <= CYCLE_GAP_S else ended - started
-        self.learner.record(io_class, length, path, seconds)
+        self.learner.record(io_class, length, path, seconds, started)
 
     def _timed(self, buf: memoryview, offset: int, io_class: int, path: str,
-               clock: list | None = None, learn: bool = False) -> None:
+               clock: list | None = None, learn: str | None = None) -> None:
+        """learn: the path the learner chose, whose sample this is (the pool's choice
+        includes its requests verified inline when no worker was free: what choosing the
+        pool gets the client); None: no sample."""
         length = len(buf)
         started = time.perf_counter()
         try:
@@ -195,9 +198,9 @@ class Dispatcher:
             ended = time.perf_counter()
             self.stats.record(io_class, path, length, ended - started)
             if learn and clock is not None:  # a sample when the next request comes
-                clock[:] = [started, ended, length, path, io_class]
+                clock[:] = [started, ended, length, learn, io_class]
             elif learn:
-                self.learner.record(io_class, length, path, ended - started)
+                self.learner.record(io_class, length, learn, ended - started, started)
 
     def _read_in_pool(self, buf: memoryview, offset: int, io_class: int) -> None:
         """Split on block boundaries into chunks, verify them in parallel, wait for all.

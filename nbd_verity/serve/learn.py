@@ -11,57 +11,73 @@ least LEARN_MIN bytes takes the path that won its size's last trial:
   ... up to 32 MiB). A request's cost is its cycle as its client sees it: from its start
   to the start of the same connection's next request (dispatch.py, Dispatcher._learned),
   in seconds per byte, under whatever load there is.
-- A trial is two runs back to back: RUN requests on the chosen path, then RUN on the
-  other; a run's cost is the median of its requests but its first SKIP. A path's cost is
-  its median over the last TRIALS trials (the newer of two), and the cheaper path is
-  the choice until the next trial. A bucket starts with a trial (the table's path
-  first), and one starts every EXPLORE requests after (every EXPLORE_FAR when one path
-  cost over FAR times the other): at most RUN in EXPLORE (6%) or in EXPLORE_FAR (1.6%)
-  of the requests take the worse path. Between trials the chosen path's last WINDOW
-  requests are watched: when their median costs over EARLY_RATIO times the other path,
-  a trial starts at once (but not within EARLY requests of the last one's start), so a
-  change of load moves the choice within a few hundred requests.
+- A trial is three runs: the chosen path, the other, the chosen again, each until it
+  has COUNT / 2, COUNT and COUNT / 2 samples counted, so that the chosen path's samples
+  come from before and after the other's, and a steady drift of the machine's speed
+  within the trial falls on both alike. A run does not count the requests that started
+  in its first WARM_S (at least its first SKIP, at most its first SKIP_MAX): a path
+  taken after the other starts slow (measured on this 2-core VM, one client's 2 MiB
+  reads: the pool's first 32 after 192 inline ones took 1.56 ms each, the next ones
+  1.30 ms, while inline's ran 1.45-1.55 ms throughout; the pool's workers' CPUs had gone
+  idle). A path's cost in a trial is the median of its samples, and the trial's verdict
+  the ratio of the pool's cost to inline's; the choice is the pool when the median of
+  the last TRIALS verdicts (the newer of two) is under 1. A bucket starts with a trial
+  (the table's path as the chosen one), and one starts every EXPLORE requests after, or
+  every EXPLORE_FAR when the worse path cost over FAR times the other. While trials are
+  that far apart, the chosen path's last WINDOW requests are watched: when their median
+  costs more than the other path did in the last trial, the next trial comes EXPLORE
+  requests after the last one, so a change of load moves the choice within a few
+  thousand requests.
 - Why trials, not the cost of each path's latest requests: the machine's speed drifts
-  from second to second (CPU steal from other guests comes in bursts of seconds), and
-  the path taken now and then pays more than the path taken all the time (measured on
-  this 2-core VM: 2 MiB requests on the pool took 1.1-1.2 ms each in a stream of pool
-  requests, 1.4-2.2 ms when one in sixteen took it; likely because its workers' CPUs
-  had gone idle, not measured apart). Comparing the latest samples of each path, taken
-  at different moments and one path cold, kept one client's 2 MiB reads 40% on the
-  slower path. Two runs back to back see the same moment, a run's first SKIP requests
-  pay for its cold start, and the median over trials keeps one disturbed trial from
-  moving the choice. Why the cycle, not the time inside the server: one client's 2 MiB
-  reads took 20% longer on the pool timed inside, and were 8% faster on it as the
-  client saw them.
+  from second to second (CPU steal from other guests comes in bursts of seconds: one
+  second of one client's 2 MiB reads ran 316 MB/s, the next 1230 on the same path),
+  and the path taken now and then pays more than the path taken all the time (measured
+  on this 2-core VM: 2 MiB requests on the pool took 1.1-1.2 ms each in a stream of
+  pool requests, 1.4-2.2 ms when one in sixteen took it; likely because its workers'
+  CPUs had gone idle, not measured apart). Comparing the latest samples of each path,
+  taken at different moments and one path cold, kept one client's 2 MiB reads 40% on
+  the slower path. Trials of one short run of each path back to back (32 requests, the
+  first 4 not counted) measured the pool while it was still slow, and kept the same
+  reads at 0.75-0.9 of the pool's throughput. The runs around the other see the same
+  moments, the skipped samples pay for a path's cold start, ratios within a trial do
+  not mix one trial's machine speed with another's, and the median over trials keeps
+  one disturbed trial from moving the choice. Why the cycle, not the time inside the
+  server: one client's 2 MiB reads took 20% longer on the pool timed inside, and were
+  8% faster on it as the client saw them.
 - The load rule of dispatch.py still applies on top: a request that should take the pool
-  is verified inline when no worker is free (`busy_inline`; such a request is no sample
-  of the pool's run).
+  is verified inline when no worker is free (`busy_inline`). Such a request is still a
+  sample of the pool's run: choosing the pool gets the client that mix (four clients'
+  2 MiB reads: the pool's requests that found a worker rated it 0.97 of inline's cost,
+  and the default ran at 0.94 of all inline).
 
 What was learned is in `ctl stats` and `ctl thresholds` (`learned`: per class the
-buckets with their microseconds per MiB on each path over the last trials and the
-choice, and the smallest size the pool is chosen for). Explicit thresholds pin their
-class: the table alone decides, exactly. Updates take no lock: under a race a sample or a request
-of a run may be lost, which costs the trial one sample.
+buckets with their microseconds per MiB on each path over the last trials, the verdict
+and the choice, and the smallest size the pool is chosen for). Explicit thresholds pin
+their class: the table alone decides, exactly. Updates take no lock: under a race a
+sample or a request of a run may be lost, which costs the trial one sample.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from ..control.table import CLASSES, INLINE, POOL
 
 LEARN_MIN = 64 << 10  # smaller requests follow the table (inline, where it was measured)
 BUCKETS = 10  # 64 KiB, 128 KiB, ... 32 MiB (MAX_REQUEST_SIZE)
-RUN = 32  # requests of each of a trial's two runs
-SKIP = 4  # of which the first are not counted
-EXPLORE = 512  # a trial starts every this-many requests of a bucket
-EXPLORE_FAR = 2048  # ... or this many, when the worse path cost over FAR times as much
+COUNT = 32  # a trial's samples of the other path (and of the chosen one, half before)
+WARM_S = 0.05  # a run's requests that start this soon after its first are not counted, ...
+SKIP = 2  # ... but at least this many of them
+SKIP_MAX = 64  # ... and at most this many (small requests: 50 ms would be thousands)
+RUN_MAX = 4 * COUNT + SKIP_MAX  # a run handed this many out without its samples: given up
+EXPLORE = 1024  # a trial starts every this-many requests of a bucket
+EXPLORE_FAR = 4096  # ... or this many, when the worse path cost over FAR times as much
 FAR = 1.5
-TRIALS = 3  # a path's cost: its median over the last this-many trials
-WINDOW = 8  # between trials: the chosen path's latest requests watched ...
-EARLY = 128  # ... and a trial starts as soon as this many requests after the last one's
-EARLY_RATIO = 1.25  # start when their median costs over this times what the other path
-# did in the last trial (not at any excess: paths a few % apart would trial every EARLY)
+TRIALS = 3  # the verdict: the median of the last this-many trials' ratios
+WINDOW = 8  # trials EXPLORE_FAR apart: the chosen path's latest requests watched
+_RUNS = (0, 1, 0)  # a trial's runs: the chosen path (0), the other (1), the chosen
+_WANT = (COUNT // 2, COUNT, COUNT // 2)  # ... and the samples each counts
 
 
 def bucket(length: int) -> int:
@@ -83,104 +99,119 @@ def _median(samples: list[float]) -> float | None:
 class _Row:
     """One class's bucket."""
 
-    __slots__ = ("choice", "costs", "early", "left", "next_trial", "path", "requests", "run",
-                 "samples", "skip", "steady", "trial_start", "trials", "tried")
+    __slots__ = ("choice", "costs", "counted", "early", "handed", "next_trial", "path",
+                 "ratio", "requests", "run_start", "samples", "seen", "stage", "steady",
+                 "trial_start", "trials", "tried")
 
     def __init__(self) -> None:
         self.choice: str | None = None  # None: before its first trial
         self.requests = 0
         self.trial_start = 0  # the request count at which the last trial started
         self.next_trial = 0  # ... and the next one starts
-        self.run = 0  # 0: no trial; 1, 2: the trial's first or second run
+        self.stage = -1  # the trial's run (0, 1, 2: _RUNS); -1: no trial under way
         self.path = INLINE  # the run's path
-        self.left = 0  # requests of the run still to hand out
-        self.skip = 0  # its samples still not to count
-        self.samples: tuple[list, list] = ([], [])  # the trial's, per run
-        self.costs: dict = {INLINE: None, POOL: None}  # seconds per byte, of the TRIALS
+        self.run_start: float | None = None  # when the run's first request was handed out
+        self.handed = 0  # the run's requests handed out
+        self.seen = 0  # ... its samples come back
+        self.counted = 0  # ... and of them counted
+        self.samples: dict = {INLINE: [], POOL: []}  # the trial's, per path
+        self.costs: dict = {INLINE: None, POOL: None}  # seconds per byte, over the trials
+        self.ratio: float | None = None  # the verdict: pool's cost / inline's
         self.trials: deque = deque(maxlen=TRIALS)  # the last ones' {path: cost}
         self.tried = 0  # trials started
-        self.early = 0  # of which early (the chosen path's cost rose)
+        self.early = 0  # of which sooner than EXPLORE_FAR (the chosen path's cost rose)
         self.steady: deque = deque(maxlen=WINDOW)  # the choice's, since the last trial
 
 
 class Learner:
-    """Per (class, bucket): the choice, and the trial under way."""
+    """Per (class, bucket): the choice, and the trial under way. warm_s: WARM_S (the
+    tests' synthetic samples take none)."""
 
-    def __init__(self) -> None:
+    def __init__(self, warm_s: float = WARM_S) -> None:
         self._rows = [[_Row() for _ in range(BUCKETS)] for _ in CLASSES]
+        self.warm_s = warm_s
 
     def choose(self, io_class: int, length: int, table_path: str) -> str:
         row = self._rows[io_class][bucket(length)]
         count = row.requests
         row.requests = count + 1
-        if row.run and row.left == 0:  # the run's requests are all handed out
-            if row.run == 1:
-                self._start_run(row, 2, _other(row.path))
-            else:
-                self._decide(row)
-        if not row.run and count >= row.next_trial:  # a trial: this path, then the other
-            row.choice = row.choice or table_path
-            row.samples = ([], [])
+        if row.stage < 0:
+            if count < row.next_trial:
+                return row.choice
+            row.choice = row.choice or table_path  # a trial, the choice's path first
+            row.samples = {INLINE: [], POOL: []}
             row.steady.clear()
             row.trial_start = count
             row.tried += 1
             row.next_trial = count + self._every(row)
-            self._start_run(row, 1, row.choice)
-        if row.run:
-            row.left -= 1
-            return row.path
-        return row.choice
+            self._start_run(row, 0)
+        elif row.handed >= RUN_MAX:  # its samples did not come (verified elsewhere)
+            row.stage = -1
+            return row.choice
+        if row.run_start is None:
+            row.run_start = time.perf_counter()
+        row.handed += 1
+        return row.path
 
     @staticmethod
-    def _start_run(row: _Row, run: int, path: str) -> None:
-        row.run, row.path, row.left, row.skip = run, path, RUN, SKIP
+    def _start_run(row: _Row, stage: int) -> None:
+        row.stage = stage
+        row.path = _other(row.choice) if _RUNS[stage] else row.choice
+        row.run_start = None
+        row.handed = row.seen = row.counted = 0
 
     @staticmethod
     def _every(row: _Row) -> int:
-        inline, pool = row.costs[INLINE], row.costs[POOL]
-        if inline is None or pool is None:
+        if row.ratio is None:
             return EXPLORE
-        far = max(inline, pool) > FAR * max(min(inline, pool), 1e-12)
+        far = max(row.ratio, 1 / max(row.ratio, 1e-12)) > FAR
         return EXPLORE_FAR if far else EXPLORE
 
     @staticmethod
     def _decide(row: _Row) -> None:
-        """The trial's end: the cheaper run's path is the choice (a run without samples,
-        every request of it verified elsewhere, changes nothing)."""
-        first, second = (_median(s) for s in row.samples)
-        row.run = 0
-        if first is None or second is None:
-            return
-        row.trials.append({row.choice: first, _other(row.choice): second})
-        if len(row.trials) == 2:  # the newer one: a change of load shows at once
-            row.costs = dict(row.trials[-1])
-        else:
-            row.costs = {p: sorted(t[p] for t in row.trials)[len(row.trials) // 2]
-                         for p in (INLINE, POOL)}
-        row.choice = INLINE if row.costs[INLINE] <= row.costs[POOL] else POOL
+        """The trial's end: the verdict over the last trials picks the choice."""
+        row.stage = -1
+        inline, pool = _median(row.samples[INLINE]), _median(row.samples[POOL])
+        row.trials.append({INLINE: inline, POOL: pool})
+        recent = list(row.trials)[-2:] if len(row.trials) == 2 else list(row.trials)
+        ratios = sorted(t[POOL] / max(t[INLINE], 1e-12) for t in recent)
+        row.ratio = ratios[len(ratios) // 2]  # of two, the newer's (one left of recent)
+        row.costs = {p: sorted(t[p] for t in recent)[len(recent) // 2] for p in (INLINE, POOL)}
+        row.choice = POOL if row.ratio < 1 else INLINE
         row.next_trial = row.trial_start + Learner._every(row)
 
-    def record(self, io_class: int, length: int, path: str, seconds: float) -> None:
+    def record(self, io_class: int, length: int, path: str, seconds: float,
+               started: float | None = None) -> None:
+        """A learned request's cost: seconds from its start (perf_counter; None: now less
+        seconds)."""
         row = self._rows[io_class][bucket(length)]
-        if not row.run:  # between trials: does the choice still cost what it did?
+        if row.stage < 0:  # between trials: does the choice still cost what it did?
             other = row.costs[_other(path)]
-            if path == row.choice and other is not None:
+            if path == row.choice and other is not None and (
+                    row.next_trial > row.trial_start + EXPLORE):
                 row.steady.append(seconds / length)
-                if (len(row.steady) == WINDOW
-                        and _median(list(row.steady)) > EARLY_RATIO * other
-                        and row.next_trial > row.trial_start + EARLY):
-                    row.next_trial = max(row.trial_start + EARLY, row.requests)
-                    row.early += 1
+                if len(row.steady) == WINDOW and _median(list(row.steady)) > other:
+                    row.steady.clear()
+                    sooner = max(row.trial_start + EXPLORE, row.requests)
+                    if sooner < row.next_trial:
+                        row.next_trial = sooner
+                        row.early += 1
             return
-        if path != row.path:  # another run's request
+        if path != row.path or row.run_start is None:  # another run's request
             return
-        if row.skip:  # a run's first requests: not counted
-            row.skip -= 1
-            return
-        samples = row.samples[row.run - 1]
-        samples.append(seconds / length)
-        if row.run == 2 and row.left == 0 and len(samples) >= RUN - SKIP:
-            self._decide(row)  # the trial's last request (else at the next choose)
+        row.seen += 1
+        if started is None:
+            started = time.perf_counter() - seconds
+        if row.seen <= SKIP or (row.stage and self.warm_s and row.seen <= SKIP_MAX
+                                and started < row.run_start + self.warm_s):
+            return  # a run's first requests (after a change of path: its CPUs wake)
+        row.samples[path].append(seconds / length)
+        row.counted += 1
+        if row.counted >= _WANT[row.stage]:
+            if row.stage == len(_RUNS) - 1:
+                self._decide(row)
+            else:
+                self._start_run(row, row.stage + 1)
 
     def reset(self) -> None:
         for rows in self._rows:
@@ -189,7 +220,8 @@ class Learner:
 
     def snapshot(self) -> dict:
         """Per class with requests: its buckets (bytes from) with µs per MiB on each path
-        over the last trials, the choice (None before a trial ended) and the trials
+        over the last trials (the median of each), the verdict (the median of the trials'
+        pool/inline ratios), the choice (None before a trial ended) and the trials
         started (early ones apart), and the smallest bucket the pool is chosen for (None:
         none)."""
         out: dict = {}
@@ -207,6 +239,7 @@ class Learner:
                 buckets[str(size)] = {
                     "requests": row.requests, "choice": choice, "trials": row.tried,
                     "early_trials": row.early,
+                    "pool_to_inline": None if row.ratio is None else round(row.ratio, 3),
                     "inline_us_per_mib": _per_mib(row.costs[INLINE]),
                     "pool_us_per_mib": _per_mib(row.costs[POOL])}
             if buckets:

@@ -1,9 +1,11 @@
-"""The learned inline-or-pool choice (serve/learn.py): a trial first (a run of the
-table's path, then one of the other), then the cheaper one, with a trial every
-EXPLORE-th request (EXPLORE_FAR-th when one path is far worse), or at once when the
-chosen path's own requests cost far more than the other did; a run's first SKIP requests
-not counted; one disturbed request does not move it; a request's cost is its client's
-whole cycle; pinned classes and small requests never consult it."""
+"""The learned inline-or-pool choice (serve/learn.py): a trial first (runs of the table's
+path, the other, the table's again), then the cheaper one by the pool/inline ratio, with a
+trial every EXPLORE-th request (EXPLORE_FAR-th when one path is far worse, sooner when
+the chosen path's own requests come to cost more than the other did); a run's first
+requests not counted (its first WARM_S after a change of path); one disturbed request
+does not move it; a request's cost is its client's whole cycle, and a pool request
+verified inline because no worker was free is a sample of the pool; pinned classes and
+small requests never consult it."""
 
 from __future__ import annotations
 
@@ -12,10 +14,23 @@ import time
 
 from nbd_verity.control.table import INLINE, POOL
 from nbd_verity.serve.dispatch import CYCLE_GAP_S, Dispatcher
-from nbd_verity.serve.learn import EXPLORE, EXPLORE_FAR, LEARN_MIN, RUN, SKIP, Learner, bucket
+from nbd_verity.serve.learn import (
+    COUNT,
+    EXPLORE,
+    EXPLORE_FAR,
+    LEARN_MIN,
+    RUN_MAX,
+    SKIP,
+    SKIP_MAX,
+    Learner,
+    bucket,
+)
 
 BE, IDLE = 2, 3
 MIB = 1 << 20
+# a trial's runs, each its SKIP requests not counted and then its samples (no warm time)
+RUNS = (SKIP + COUNT // 2, SKIP + COUNT, SKIP + COUNT // 2)
+TRIAL = sum(RUNS)
 
 
 def test_buckets_are_powers_of_two_from_64k():
@@ -34,60 +49,109 @@ def feed(learner: Learner, length: int, costs: dict, requests: int) -> list[str]
     return chosen
 
 
-def test_table_first_then_the_other_then_the_cheaper_with_exploration():
-    learner = Learner()
-    warm = 2 * RUN
-    chosen = feed(learner, 2 * MIB, {INLINE: 0.0010, POOL: 0.0009}, warm + 4 * EXPLORE)
-    assert chosen[:warm] == [INLINE] * RUN + [POOL] * RUN  # a run of each, the table's first
-    rest = chosen[warm:]
-    assert rest.count(INLINE) == 4 * RUN, rest  # a trial every EXPLORE (under 1.5x cheaper)
-    assert rest[EXPLORE - warm:EXPLORE - warm + 2 * RUN] == [POOL] * RUN + [INLINE] * RUN
+def test_table_first_then_the_other_then_the_table_then_the_cheaper():
+    learner = Learner(warm_s=0)
+    chosen = feed(learner, 2 * MIB, {INLINE: 0.0010, POOL: 0.0009}, TRIAL + 4 * EXPLORE)
+    first, other, again = RUNS
+    assert chosen[:TRIAL] == [INLINE] * first + [POOL] * other + [INLINE] * again
+    rest = chosen[TRIAL:]
+    assert rest.count(INLINE) == 4 * other, rest  # a trial every EXPLORE
+    at = EXPLORE - TRIAL  # the next trial: now the pool is the chosen path
+    assert rest[at:at + TRIAL] == [POOL] * first + [INLINE] * other + [POOL] * again
     snap = learner.snapshot()["be"]
     assert snap["pool_from"] == 2 * MIB
     row = snap["buckets"][str(2 * MIB)]
-    assert row["choice"] == POOL and row["requests"] == warm + 4 * EXPLORE
+    assert row["choice"] == POOL and row["requests"] == TRIAL + 4 * EXPLORE
     assert row["pool_us_per_mib"] < row["inline_us_per_mib"]
+    assert abs(row["pool_to_inline"] - 0.9) < 1e-6 and row["trials"] == 5
 
 
 def test_a_far_worse_path_is_tried_less_often():
-    learner = Learner()
-    chosen = feed(learner, MIB, {INLINE: 0.0005, POOL: 0.0020}, 2 * RUN + 2 * EXPLORE_FAR)
-    assert chosen[2 * RUN:].count(POOL) == 2 * RUN
+    learner = Learner(warm_s=0)
+    chosen = feed(learner, MIB, {INLINE: 0.0005, POOL: 0.0020}, TRIAL + 2 * EXPLORE_FAR)
+    assert chosen[TRIAL:].count(POOL) == 2 * RUNS[1]
+
+
+def test_the_verdict_is_the_ratio_within_each_trial():
+    """The machine twice as slow in one trial as in the others: the ratios within each
+    trial decide, not each path's costs mixed from different trials' moments."""
+    learner = Learner(warm_s=0)
+    for speed in (1.0, 2.0, 1.0):
+        feed(learner, 2 * MIB, {INLINE: 0.0010 * speed, POOL: 0.0009 * speed}, EXPLORE)
+    row = learner.snapshot()["be"]["buckets"][str(2 * MIB)]
+    assert row["choice"] == POOL and abs(row["pool_to_inline"] - 0.9) < 1e-6
 
 
 def test_a_runs_first_requests_are_not_counted():
-    """The first requests on a path after others pay for its idle CPUs: not samples."""
-    learner = Learner()
-    for _ in range(RUN):
+    """The first requests on a path after the other pay for its idle CPUs: not samples."""
+    learner = Learner(warm_s=0)
+    first, other, _ = RUNS
+    for _ in range(first):
         assert learner.choose(BE, 2 * MIB, INLINE) == INLINE
         learner.record(BE, 2 * MIB, INLINE, 0.0020)
-    for i in range(RUN):
+    for i in range(other):
         assert learner.choose(BE, 2 * MIB, INLINE) == POOL  # the run of the pool
         learner.record(BE, 2 * MIB, POOL, 0.0500 if i < SKIP else 0.0010)
+    feed(learner, 2 * MIB, {INLINE: 0.0020, POOL: 0.0010}, RUNS[2])
     row = learner.snapshot()["be"]["buckets"][str(2 * MIB)]
     assert row["choice"] == POOL and row["pool_us_per_mib"] < row["inline_us_per_mib"]
 
 
+def test_after_a_change_of_path_its_first_warm_seconds_are_not_counted():
+    """Requests that started within warm_s of the run's first are not samples, up to
+    SKIP_MAX of them (the rest count, however soon they started)."""
+    learner = Learner(warm_s=1000.0)  # every request of the test starts within it
+    chosen = feed(learner, 2 * MIB, {INLINE: 0.0010, POOL: 0.0005}, RUNS[0])
+    assert chosen == [INLINE] * RUNS[0]  # the chosen path's first run: warm already
+    chosen = feed(learner, 2 * MIB, {INLINE: 0.0010, POOL: 0.0005}, SKIP_MAX + COUNT)
+    assert chosen == [POOL] * (SKIP_MAX + COUNT)
+    assert learner.choose(BE, 2 * MIB, INLINE) == INLINE  # the last run: the table's again
+
+
+def test_a_run_whose_samples_do_not_come_is_given_up():
+    learner = Learner(warm_s=0)
+    feed(learner, 2 * MIB, {INLINE: 0.0010, POOL: 0.0005}, RUNS[0])
+    for _ in range(RUN_MAX):  # handed out to the pool, never recorded
+        assert learner.choose(BE, 2 * MIB, INLINE) == POOL
+    assert learner.choose(BE, 2 * MIB, INLINE) == INLINE  # the table's, until a next trial
+    row = learner.snapshot()["be"]["buckets"][str(2 * MIB)]
+    assert row["choice"] is None and row["pool_to_inline"] is None
+
+
 def test_one_disturbed_request_does_not_move_the_choice():
-    learner = Learner()
-    feed(learner, 2 * MIB, {INLINE: 0.0010, POOL: 0.0006}, 2 * RUN + 8)
+    learner = Learner(warm_s=0)
+    feed(learner, 2 * MIB, {INLINE: 0.0010, POOL: 0.0006}, TRIAL + 8)
     assert learner.choose(BE, 2 * MIB, INLINE) == POOL
     learner.record(BE, 2 * MIB, POOL, 0.040)  # preempted once
     assert learner.snapshot()["be"]["buckets"][str(2 * MIB)]["choice"] == POOL
 
 
 def test_the_choice_follows_a_change_of_load():
-    learner = Learner()
-    feed(learner, 2 * MIB, {INLINE: 0.0010, POOL: 0.0006}, 100)
+    learner = Learner(warm_s=0)
+    feed(learner, 2 * MIB, {INLINE: 0.0010, POOL: 0.0006}, TRIAL + 8)
     assert learner.choose(BE, 2 * MIB, INLINE) == POOL
     # now the cores are taken: the pool's requests wait; inline costs what it did
     chosen = feed(learner, 2 * MIB, {INLINE: 0.0010, POOL: 0.0030}, 4 * EXPLORE)
-    assert chosen[-EXPLORE:].count(POOL) <= RUN, chosen[-EXPLORE:]
+    assert chosen[-EXPLORE:].count(POOL) <= RUNS[1], chosen[-EXPLORE:]
+
+
+def test_far_apart_trials_come_sooner_when_the_choice_costs_more():
+    """Trials EXPLORE_FAR apart: when the chosen path comes to cost more than the other
+    did in the last trial, the next one comes EXPLORE after the last."""
+    learner = Learner(warm_s=0)
+    feed(learner, 2 * MIB, {INLINE: 0.0030, POOL: 0.0010}, TRIAL + 8)  # pool, far
+    chosen = feed(learner, 2 * MIB, {INLINE: 0.0030, POOL: 0.0060}, EXPLORE)
+    at = EXPLORE - (TRIAL + 8)  # the trial EXPLORE after the first
+    assert chosen[:at] == [POOL] * at  # until then the pool, the costlier now
+    assert chosen[at:at + TRIAL] == [POOL] * RUNS[0] + [INLINE] * RUNS[1] + [POOL] * RUNS[2]
+    assert set(chosen[at + TRIAL:]) == {INLINE}
+    row = learner.snapshot()["be"]["buckets"][str(2 * MIB)]
+    assert row["early_trials"] == 1 and row["choice"] == INLINE
 
 
 def test_classes_and_sizes_learn_apart():
-    learner = Learner()
-    feed(learner, 2 * MIB, {INLINE: 0.0010, POOL: 0.0005}, 2 * RUN + 8)
+    learner = Learner(warm_s=0)
+    feed(learner, 2 * MIB, {INLINE: 0.0010, POOL: 0.0005}, TRIAL + 8)
     assert learner.choose(IDLE, 2 * MIB, INLINE) == INLINE  # idle: its first, the table's
     assert learner.choose(BE, 128 << 10, INLINE) == INLINE  # another size: its first
     assert set(learner.snapshot()) == {"be", "idle"}
@@ -101,7 +165,9 @@ def dispatcher(pinned: frozenset) -> tuple[Dispatcher, list]:
         with lock:
             seen.append(len(view))
 
-    return Dispatcher(read, 4096, (256 << 10,) * 4, workers=2, pinned=pinned), seen
+    d = Dispatcher(read, 4096, (256 << 10,) * 4, workers=2, pinned=pinned)
+    d.learner.warm_s = 0  # no request waits here for the CPUs to wake
+    return d, seen
 
 
 def test_pinned_classes_and_small_requests_follow_the_table_alone():
@@ -123,12 +189,12 @@ def test_an_unpinned_class_learns_through_the_dispatcher():
     d, _ = dispatcher(frozenset())
     try:
         buf = memoryview(bytearray(2 * MIB))
-        for _ in range(2 * RUN + 8):
+        for _ in range(TRIAL + 8):
             d.read(buf, 0, BE)
         snap = d.stats.snapshot()["be"]
         assert snap["inline"]["requests"] >= 1 and snap["pool"]["requests"] >= 1  # both tried
         row = d.learner.snapshot()["be"]["buckets"][str(2 * MIB)]
-        assert row["requests"] == 2 * RUN + 8 and row["choice"] in (INLINE, POOL)
+        assert row["requests"] == TRIAL + 8 and row["choice"] in (INLINE, POOL)
     finally:
         d.stop()
 
@@ -142,7 +208,7 @@ def test_a_learned_requests_cost_is_its_clients_whole_cycle():
         clock = [0.0, 0.0, 0, None, 0]
         try:
             buf = memoryview(bytearray(2 * MIB))
-            for _ in range(2 * RUN + 1):  # a trial, and the request that ends its last
+            for _ in range(TRIAL + 1):  # a trial, and the request that ends its last
                 d.read(buf, 0, BE, clock)
                 time.sleep(gap)
             row = d.learner.snapshot()["be"]["buckets"][str(2 * MIB)]
@@ -163,5 +229,24 @@ def test_any_next_request_ends_a_learned_requests_cycle():
         assert clock[0] > 0  # its sample waits for the connection's next request
         d.read(memoryview(bytearray(4096)), 0, BE, clock)  # under LEARN_MIN: the table's
         assert clock[0] == 0.0
+    finally:
+        d.stop()
+
+
+def test_a_pool_request_verified_inline_for_want_of_a_worker_is_a_pool_sample():
+    """Choosing the pool gets the client the pool or, when no worker is free, inline: the
+    trial's pool run counts both (with the workers all taken, its samples still come)."""
+    d, _ = dispatcher(frozenset())
+    try:
+        buf = memoryview(bytearray(2 * MIB))
+        pool = d.start()
+        for run in RUNS:  # the table's 256 KiB: the pool first, inline, the pool again
+            with pool.demand():  # another connection's pool request: no worker is free
+                for _ in range(run):
+                    d.read(buf, 0, BE)
+        assert d.busy_inline()["be"] == RUNS[0] + RUNS[2]  # the pool's runs, all inline
+        assert d.stats.snapshot()["be"]["pool"]["requests"] == 0
+        row = d.learner.snapshot()["be"]["buckets"][str(2 * MIB)]
+        assert row["pool_us_per_mib"] is not None and row["choice"] in (INLINE, POOL)
     finally:
         d.stop()
