@@ -13,8 +13,12 @@ bulk load <= 1.5x alone; an idle bulk load alone >= 0.95 of a be bulk load alone
 Dispatch. For 4 KiB random x8, 64 KiB random x8, 512 KiB sequential x8, 2 MiB sequential
 x1 and x4 (fio, nbd engine): the default server's MB/s against each fixed table (all
 inline, all pool, 64K, 256K, 1M, set with `ctl thresholds`: pinned), in slices of one
-second taken in turn. Target: the default >= 0.95 of the best fixed table for each
-workload.
+second taken in turn. A pinned table sends every request of one size the same way
+(inline when it fits the threshold, else the pool), so the fixed tables that dispatch a
+workload alike are one measurement, taken as often as the default's: the best of four
+runs of one table against one run of the default would be the best of four draws of
+this machine's noise (identical tables' means of five slices were up to 25% apart).
+Target: the default >= 0.95 of the best fixed table for each workload.
 
 With --baseline DIR (a checkout of an earlier main, its extensions built in place:
 `python setup.py build_ext --inplace` there), a server of that checkout on its own
@@ -151,15 +155,26 @@ def set_table(server, name: str | None) -> None:
         server.ctl({"cmd": "thresholds", "set": {c: TABLES[name] for c in CLASSES}})
 
 
+def alike(job: fiorun.Job) -> dict[str, list[str]]:
+    """The fixed tables grouped by how they dispatch the job's requests (all of one size):
+    the first of each group stands for it."""
+    groups: dict = {}
+    for name, threshold in TABLES.items():
+        groups.setdefault("inline" if job.bs <= threshold else "pool", []).append(name)
+    return {names[0]: names for names in groups.values()}
+
+
 def dispatch_round(server, seconds: float, out: dict, baseline=None, turn: int = 0) -> None:
-    """Each workload on the default, each fixed table and the baseline, in slices of one
-    second taken in turn (the order turning by one each slice and each round), seconds
-    of each in all: this machine's speed moves from one second to the next (identical
-    dispatch measured 5 s after 5 s differed by up to 15%), and slices in turn put every
-    table under the same seconds. A table's MB/s is the mean of its slices'."""
-    configs = [None, *TABLES] + (["baseline"] if baseline is not None else [])
+    """Each workload on the default, each fixed table that dispatches it differently and
+    the baseline, in slices of one second taken in turn (the order turning by one each
+    slice and each round), seconds of each in all: this machine's speed moves from one
+    second to the next (identical dispatch measured 5 s after 5 s differed by up to 15%),
+    and slices in turn put every table under the same seconds. A table's MB/s is the
+    mean of its slices'; the tables that dispatch the workload alike get their group's."""
     slices = max(1, round(seconds))
     for job in WORKLOADS:
+        groups = alike(job)
+        configs = [None, *groups] + (["baseline"] if baseline is not None else [])
         timed = fiorun.Job(job.rw, job.bs, numjobs=job.numjobs, runtime=1)
         got: dict = {}
         for i in range(slices):
@@ -173,7 +188,8 @@ def dispatch_round(server, seconds: float, out: dict, baseline=None, turn: int =
                 got.setdefault(config or "default", []).append(
                     fiorun.run(uri, timed, SIZE).mb_s)
         for config, values in got.items():
-            out.setdefault((job.label(), config), []).append(statistics.fmean(values))
+            for name in groups.get(config, [config]):
+                out.setdefault((job.label(), name), []).append(statistics.fmean(values))
     set_table(server, None)
 
 
@@ -199,7 +215,7 @@ def report(qos: dict, dispatch: dict, rounds: int) -> None:
         print(f"| {name}: idle bulk alone / be bulk alone (target >= 0.95) | "
               f"{cell(ratios, 2)} |")
     print(f"\n## Dispatch: the default against fixed tables ({rounds} rounds: MB/s, median "
-          f"(min-max))")
+          f"(min-max); the fixed tables that dispatch a workload alike are one measurement)")
     baseline = any(key[1] == "baseline" for key in dispatch)
     header = ["default", *TABLES] + (["baseline"] if baseline else [])
     extra = " default / baseline |" if baseline else ""

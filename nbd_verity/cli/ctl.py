@@ -193,16 +193,22 @@ def dispatch_line(stats: dict) -> str:
 
 def learned_lines(learned: dict) -> list[str]:
     """Per class that took requests of 64 KiB or more (unpinned): what served each size
-    best lately, in microseconds per MiB inline and on the pool."""
+    best lately, in microseconds per MiB inline and on the pool, the pool's cost as a
+    share of inline's within the trials (what decides), and the choice."""
     lines = []
     for name, row in learned.items():
         sizes = "  ".join(f"{int(size) >> 10}K: {_us(b['inline_us_per_mib'])}/"
-                          f"{_us(b['pool_us_per_mib'])} us/MiB {b['choice'] or '-'}"
+                          f"{_us(b['pool_us_per_mib'])} us/MiB{_ratio(b)} {b['choice'] or '-'}"
                           for size, b in row["buckets"].items())
         start = row["pool_from"]
         lines.append(f"learned {name}: pool from {start >> 10 if start else '-'}"
                      f"{'K' if start else ''} (inline/pool: {sizes})")
     return lines
+
+
+def _ratio(bucket: dict) -> str:
+    ratio = bucket.get("pool_to_inline")
+    return "" if ratio is None else f" pool x{ratio:.2f}"
 
 
 def trust_line(trust: dict) -> str:

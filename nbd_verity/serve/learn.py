@@ -25,7 +25,10 @@ least LEARN_MIN bytes takes the path that won its size's last trial:
   (the table's path as the chosen one), and one starts every EXPLORE requests after, or
   every EXPLORE_FAR when the worse path cost over FAR times the other. While trials are
   that far apart, the chosen path's last WINDOW requests are watched: when their median
-  costs more than the other path did in the last trial, the next trial comes EXPLORE
+  costs more than the other path did in the last trial, or over FAR times or under 1 /
+  FAR times what it did itself (the load changed: four clients' 2 MiB reads rated the
+  pool 1.5 times inline's cost, at 2000 us per MiB inline; then one client's ran
+  inline at 880, and the pool's were 10-25% cheaper), the next trial comes EXPLORE
   requests after the last one, so a change of load moves the choice within a few
   thousand requests.
 - Why trials, not the cost of each path's latest requests: the machine's speed drifts
@@ -67,14 +70,15 @@ from ..control.table import CLASSES, INLINE, POOL
 LEARN_MIN = 64 << 10  # smaller requests follow the table (inline, where it was measured)
 BUCKETS = 10  # 64 KiB, 128 KiB, ... 32 MiB (MAX_REQUEST_SIZE)
 COUNT = 32  # a trial's samples of the other path (and of the chosen one, half before)
-WARM_S = 0.05  # a run's requests that start this soon after its first are not counted, ...
+WARM_S = 0.15  # a run's requests that start this soon after its first are not counted, ...
 SKIP = 2  # ... but at least this many of them
-SKIP_MAX = 64  # ... and at most this many (small requests: 50 ms would be thousands)
+SKIP_MAX = 128  # ... and at most this many (small requests: 50 ms would be thousands)
 RUN_MAX = 4 * COUNT + SKIP_MAX  # a run handed this many out without its samples: given up
-EXPLORE = 1024  # a trial starts every this-many requests of a bucket
-EXPLORE_FAR = 4096  # ... or this many, when the worse path cost over FAR times as much
+EXPLORE = 2048  # a trial starts every this-many requests of a bucket
+EXPLORE_FAR = 8192  # ... or this many, when the worse path cost over FAR times as much
 FAR = 1.5
 TRIALS = 3  # the verdict: the median of the last this-many trials' ratios
+TRIM = 0.125  # a run's cost: the mean of its samples but this share of the costliest
 WINDOW = 8  # trials EXPLORE_FAR apart: the chosen path's latest requests watched
 _RUNS = (0, 1, 0)  # a trial's runs: the chosen path (0), the other (1), the chosen
 _WANT = (COUNT // 2, COUNT, COUNT // 2)  # ... and the samples each counts
@@ -87,6 +91,16 @@ def bucket(length: int) -> int:
 
 def _other(path: str) -> str:
     return POOL if path == INLINE else INLINE
+
+
+def _trimmed_mean(samples: list[float]) -> float | None:
+    """The mean without the costliest TRIM share (a preempted request): a throughput's
+    cost is the mean, and a path that serves some requests slower (the pool's choice
+    when no worker is free) must pay for them; None for no samples."""
+    if not samples:
+        return None
+    kept = sorted(samples)[:max(1, len(samples) - int(TRIM * len(samples)))]
+    return sum(kept) / len(kept)
 
 
 def _median(samples: list[float]) -> float | None:
@@ -171,11 +185,11 @@ class Learner:
     def _decide(row: _Row) -> None:
         """The trial's end: the verdict over the last trials picks the choice."""
         row.stage = -1
-        inline, pool = _median(row.samples[INLINE]), _median(row.samples[POOL])
+        inline, pool = _trimmed_mean(row.samples[INLINE]), _trimmed_mean(row.samples[POOL])
         row.trials.append({INLINE: inline, POOL: pool})
-        recent = list(row.trials)[-2:] if len(row.trials) == 2 else list(row.trials)
+        recent = list(row.trials)[-1:] if len(row.trials) == 2 else list(row.trials)
         ratios = sorted(t[POOL] / max(t[INLINE], 1e-12) for t in recent)
-        row.ratio = ratios[len(ratios) // 2]  # of two, the newer's (one left of recent)
+        row.ratio = ratios[len(ratios) // 2]  # of two, the newer's: a change shows at once
         row.costs = {p: sorted(t[p] for t in recent)[len(recent) // 2] for p in (INLINE, POOL)}
         row.choice = POOL if row.ratio < 1 else INLINE
         row.next_trial = row.trial_start + Learner._every(row)
@@ -186,11 +200,12 @@ class Learner:
         seconds)."""
         row = self._rows[io_class][bucket(length)]
         if row.stage < 0:  # between trials: does the choice still cost what it did?
-            other = row.costs[_other(path)]
+            mine, other = row.costs[path], row.costs[_other(path)]
             if path == row.choice and other is not None and (
                     row.next_trial > row.trial_start + EXPLORE):
                 row.steady.append(seconds / length)
-                if len(row.steady) == WINDOW and _median(list(row.steady)) > other:
+                cost = _median(list(row.steady)) if len(row.steady) == WINDOW else None
+                if cost is not None and (cost > min(other, FAR * mine) or cost < mine / FAR):
                     row.steady.clear()
                     sooner = max(row.trial_start + EXPLORE, row.requests)
                     if sooner < row.next_trial:
@@ -221,7 +236,7 @@ class Learner:
     def snapshot(self) -> dict:
         """Per class with requests: its buckets (bytes from) with µs per MiB on each path
         over the last trials (the median of each), the verdict (the median of the trials'
-        pool/inline ratios), the choice (None before a trial ended) and the trials
+        pool/inline ratios) and those trials' ratios, oldest first, the choice (None before a trial ended) and the trials
         started (early ones apart), and the smallest bucket the pool is chosen for (None:
         none)."""
         out: dict = {}
@@ -240,6 +255,8 @@ class Learner:
                     "requests": row.requests, "choice": choice, "trials": row.tried,
                     "early_trials": row.early,
                     "pool_to_inline": None if row.ratio is None else round(row.ratio, 3),
+                    "last_trials": [round(t[POOL] / max(t[INLINE], 1e-12), 3)
+                                    for t in row.trials],
                     "inline_us_per_mib": _per_mib(row.costs[INLINE]),
                     "pool_us_per_mib": _per_mib(row.costs[POOL])}
             if buckets:

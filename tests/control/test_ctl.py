@@ -105,6 +105,28 @@ def test_stats_table_json_and_reset(server, image):
     assert server.stats()["totals"]["data_blocks_verified"] == 0
 
 
+def test_thresholds_and_stats_show_what_was_learned(servers, image):
+    """An unpinned class's requests of 64 KiB and more: after a trial of both paths, ctl
+    says per size what each path cost, the verdict and the choice."""
+    server = servers.start(image)  # the default table: no class pinned
+    size = 1024 * KIB  # over one leaf hash block's 512 KiB: never the fast path
+    with server.client("@be") as h:
+        for i in range(256):
+            offset = (i * size) % (image.size - image.size % size)
+            assert h.pread(size, offset) == image.expected(offset, size)
+    bucket = server.stats()["learned"]["be"]["buckets"][str(size)]
+    assert bucket["requests"] == 256 and bucket["trials"] == 1, bucket
+    assert bucket["choice"] in ("inline", "pool") and bucket["pool_to_inline"] > 0
+    assert (bucket["choice"] == "pool") == (bucket["pool_to_inline"] < 1)
+    shown = ctl(server.control, "thresholds")
+    assert shown.returncode == 0, shown.stderr
+    learned = [line for line in shown.stdout.splitlines() if line.startswith("learned be:")]
+    inline, pool = (round(bucket[f"{p}_us_per_mib"]) for p in ("inline", "pool"))
+    assert learned == [f"learned be: pool from {'1024K' if bucket['choice'] == 'pool' else '-'}"
+                       f" (inline/pool: 1024K: {inline}/{pool} us/MiB pool "
+                       f"x{bucket['pool_to_inline']:.2f} {bucket['choice']})"], shown.stdout
+
+
 def test_status_shows_v_then_c(servers, damaged_image):
     server = servers.start(damaged_image)
     before = ctl(server.control, "status")

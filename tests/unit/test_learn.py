@@ -73,12 +73,15 @@ def test_a_far_worse_path_is_tried_less_often():
 
 
 def test_the_verdict_is_the_ratio_within_each_trial():
-    """The machine twice as slow in one trial as in the others: the ratios within each
-    trial decide, not each path's costs mixed from different trials' moments."""
+    """The machine slows from trial to trial, and one trial's pool run is disturbed: the
+    ratios within each trial decide (0.9, 1.8, 0.88: the pool), not each path's costs
+    mixed from different trials' moments (medians 1.1 inline, 2.0 pool: inline)."""
     learner = Learner(warm_s=0)
-    for speed in (1.0, 2.0, 1.0):
-        feed(learner, 2 * MIB, {INLINE: 0.0010 * speed, POOL: 0.0009 * speed}, EXPLORE)
+    feed(learner, 2 * MIB, {INLINE: 0.0010, POOL: 0.0009}, EXPLORE)
+    feed(learner, 2 * MIB, {INLINE: 0.0011, POOL: 0.0020}, EXPLORE_FAR)  # now far apart
+    feed(learner, 2 * MIB, {INLINE: 0.0025, POOL: 0.0022}, TRIAL + 8)
     row = learner.snapshot()["be"]["buckets"][str(2 * MIB)]
+    assert row["trials"] == 3 and row["pool_us_per_mib"] > row["inline_us_per_mib"], row
     assert row["choice"] == POOL and abs(row["pool_to_inline"] - 0.9) < 1e-6
 
 
@@ -147,6 +150,20 @@ def test_far_apart_trials_come_sooner_when_the_choice_costs_more():
     assert set(chosen[at + TRIAL:]) == {INLINE}
     row = learner.snapshot()["be"]["buckets"][str(2 * MIB)]
     assert row["early_trials"] == 1 and row["choice"] == INLINE
+
+
+def test_far_apart_trials_come_sooner_when_the_choice_costs_much_less():
+    """Four clients made inline far cheaper; then one is left: inline costs half what it
+    did, and the pool is cheaper now. The next trial comes EXPLORE after the last."""
+    learner = Learner(warm_s=0)
+    feed(learner, 2 * MIB, {INLINE: 0.0040, POOL: 0.0080}, TRIAL + 8)  # inline, far
+    chosen = feed(learner, 2 * MIB, {INLINE: 0.0018, POOL: 0.0015}, EXPLORE)
+    at = EXPLORE - (TRIAL + 8)
+    assert chosen[:at] == [INLINE] * at
+    assert chosen[at:at + TRIAL] == [INLINE] * RUNS[0] + [POOL] * RUNS[1] + [INLINE] * RUNS[2]
+    assert set(chosen[at + TRIAL:]) == {POOL}
+    row = learner.snapshot()["be"]["buckets"][str(2 * MIB)]
+    assert row["early_trials"] == 1 and row["choice"] == POOL
 
 
 def test_classes_and_sizes_learn_apart():
