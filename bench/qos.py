@@ -13,11 +13,12 @@ bulk load <= 1.5x alone; an idle bulk load alone >= 0.95 of a be bulk load alone
 Dispatch. For 4 KiB random x8, 64 KiB random x8, 512 KiB sequential x8, 2 MiB sequential
 x1 and x4 (fio, nbd engine): the default server's MB/s against each fixed table (all
 inline, all pool, 64K, 256K, 1M, set with `ctl thresholds`: pinned), in slices of one
-second taken in turn. A pinned table sends every request of one size the same way
-(inline when it fits the threshold, else the pool), so the fixed tables that dispatch a
-workload alike are one measurement, taken as often as the default's: the best of four
-runs of one table against one run of the default would be the best of four draws of
-this machine's noise (identical tables' means of five slices were up to 25% apart).
+second taken in turn, 2 x SECONDS of each per round. A pinned table sends every request
+of one size the same way (inline when it fits the threshold, else the pool), so the
+fixed tables that dispatch a workload alike are one measurement, taken as often as the
+default's: the best of four runs of one table against one run of the default would be
+the best of four draws of this machine's noise (identical tables' means of five slices
+were up to 25% apart).
 Target: the default >= 0.95 of the best fixed table for each workload.
 
 With --baseline DIR (a checkout of an earlier main, its extensions built in place:
@@ -56,6 +57,9 @@ WORKLOADS = [fiorun.Job("randread", 4 * KIB), fiorun.Job("randread", 64 * KIB),
 TABLES = {"all inline": 32 * MIB, "all pool": 0, "64K": 64 * KIB, "256K": 256 * KIB,
           "1M": MIB}
 CLASSES = ("none", "rt", "be", "idle")
+DISPATCH_SLICES = 2  # dispatch: one-second slices per config and round, per SECONDS (a
+# table's mean of 5 slices moved +-6% between identical configs: 10 halve the default's
+# share of that noise in its ratio)
 SLICE_S = 1.25  # QoS: the reader's slices alone and beside the load, in turn: longer than
 # the gate's 1 s bound, so that a slice beside the load holds the requests that ran because
 # they had waited that long, at the rate a continuous load gets them
@@ -167,11 +171,12 @@ def alike(job: fiorun.Job) -> dict[str, list[str]]:
 def dispatch_round(server, seconds: float, out: dict, baseline=None, turn: int = 0) -> None:
     """Each workload on the default, each fixed table that dispatches it differently and
     the baseline, in slices of one second taken in turn (the order turning by one each
-    slice and each round), seconds of each in all: this machine's speed moves from one
-    second to the next (identical dispatch measured 5 s after 5 s differed by up to 15%),
-    and slices in turn put every table under the same seconds. A table's MB/s is the
-    mean of its slices'; the tables that dispatch the workload alike get their group's."""
-    slices = max(1, round(seconds))
+    slice and each round), DISPATCH_SLICES x seconds of each in all: this machine's
+    speed moves from one second to the next (identical dispatch measured 5 s after 5 s
+    differed by up to 15%), and slices in turn put every table under the same seconds. A
+    table's MB/s is the mean of its slices'; the tables that dispatch the workload alike
+    get their group's."""
+    slices = max(1, round(DISPATCH_SLICES * seconds))
     for job in WORKLOADS:
         groups = alike(job)
         configs = [None, *groups] + (["baseline"] if baseline is not None else [])

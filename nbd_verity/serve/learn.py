@@ -16,12 +16,16 @@ least LEARN_MIN bytes takes the path that won its size's last trial:
   come from before and after the other's, and a steady drift of the machine's speed
   within the trial falls on both alike. A run does not count the requests that started
   in its first WARM_S (at least its first SKIP, at most its first SKIP_MAX): a path
-  taken after the other starts slow (measured on this 2-core VM, one client's 2 MiB
-  reads: the pool's first 32 after 192 inline ones took 1.56 ms each, the next ones
-  1.30 ms, while inline's ran 1.45-1.55 ms throughout; the pool's workers' CPUs had gone
-  idle). A path's cost in a trial is the median of its samples, and the trial's verdict
-  the ratio of the pool's cost to inline's; the choice is the pool when the median of
-  the last TRIALS verdicts (the newer of two) is under 1. A bucket starts with a trial
+  taken after the other runs unlike itself for a while (measured on this 2-core VM,
+  one client's 2 MiB reads, libnbd: the pool's in the first 50 ms after 300 inline ones
+  took 1.82-1.87 ms each, later ones 1.48-1.53; inline's in the first 50 ms after the
+  pool's 1.52-1.56 ms, later 1.58-1.66; the CPUs that had gone idle or busy adapt. With
+  fio's client, trials that skipped 50-80 ms rated the pool 1.02-1.14 times inline's
+  cost while the pool served the same reads 27% faster; skipping 150 ms, 0.57-0.68).
+  A path's cost in a trial is the mean of its samples but the costliest TRIM share
+  (throughput is paid by the mean; the trim keeps a preempted request out), and the
+  trial's verdict the ratio of the pool's cost to inline's; the choice is the pool when
+  the median of the last TRIALS verdicts (the newer of two) is under 1. A bucket starts with a trial
   (the table's path as the chosen one), and one starts every EXPLORE requests after, or
   every EXPLORE_FAR when the worse path cost over FAR times the other. While trials are
   that far apart, the chosen path's last WINDOW requests are watched: when their median
@@ -236,9 +240,9 @@ class Learner:
     def snapshot(self) -> dict:
         """Per class with requests: its buckets (bytes from) with µs per MiB on each path
         over the last trials (the median of each), the verdict (the median of the trials'
-        pool/inline ratios) and those trials' ratios, oldest first, the choice (None before a trial ended) and the trials
-        started (early ones apart), and the smallest bucket the pool is chosen for (None:
-        none)."""
+        pool/inline ratios) and those trials' ratios, oldest first, the choice (None
+        before a trial ended), the trials started (early ones apart), and the smallest
+        bucket the pool is chosen for (None: none)."""
         out: dict = {}
         for c, rows in enumerate(self._rows):
             buckets = {}
