@@ -16,8 +16,9 @@ request on; none in flight is disturbed.
 
 Under load the table alone is not right (docs/control.md, "Dispatch under load"). For a
 class whose threshold nobody set explicitly, a request of at least 64 KiB takes the path
-that won its class and size's recent trials (learn.py: each path's cost its median over
-short runs of both back to back, of whole client cycles), and one that should take the pool
+that won its class and size's recent trials (learn.py: runs of the chosen path, the
+other and the chosen again, of whole client cycles, each path's first 150 ms after a
+change not counted, the verdict the pool/inline ratio), and one that should take the pool
 goes there only while such requests are at most half the workers and a worker is free
 (pool.demand); otherwise it is verified inline, in its own nbdkit thread, instead of
 waiting in the queue behind other connections' chunks (counted as `busy_inline`). A

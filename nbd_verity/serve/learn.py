@@ -25,16 +25,16 @@ least LEARN_MIN bytes takes the path that won its size's last trial:
   A path's cost in a trial is the mean of its samples but the costliest TRIM share
   (throughput is paid by the mean; the trim keeps a preempted request out), and the
   trial's verdict the ratio of the pool's cost to inline's; the choice is the pool when
-  the median of the last TRIALS verdicts (the newer of two) is under 1. A bucket starts with a trial
-  (the table's path as the chosen one), and one starts every EXPLORE requests after, or
-  every EXPLORE_FAR when the worse path cost over FAR times the other. While trials are
-  that far apart, the chosen path's last WINDOW requests are watched: when their median
-  costs more than the other path did in the last trial, or over FAR times or under 1 /
-  FAR times what it did itself (the load changed: four clients' 2 MiB reads rated the
-  pool 1.5 times inline's cost, at 2000 us per MiB inline; then one client's ran
-  inline at 880, and the pool's were 10-25% cheaper), the next trial comes EXPLORE
-  requests after the last one, so a change of load moves the choice within a few
-  thousand requests.
+  the median of the last TRIALS verdicts (the newer of two) is under 1. A bucket starts
+  with a trial (the table's path as the chosen one), and one starts every EXPLORE
+  requests after, or every EXPLORE_FAR when the worse path cost over FAR times the
+  other. While trials are that far apart, the chosen path's last WINDOW requests are
+  watched: when their median costs over FAR times or under 1 / FAR times what the path
+  did in the trials, the load changed, and the next trial comes EXPLORE requests after
+  the last one (measured: four clients' 2 MiB reads rated the pool 1.5 times inline's
+  cost, at 2000 us per MiB inline; then one client's ran inline at 880, and the pool's
+  were 10-25% cheaper), so a change of load moves the choice within a few thousand
+  requests.
 - Why trials, not the cost of each path's latest requests: the machine's speed drifts
   from second to second (CPU steal from other guests comes in bursts of seconds: one
   second of one client's 2 MiB reads ran 316 MB/s, the next 1230 on the same path),
@@ -107,6 +107,11 @@ def _trimmed_mean(samples: list[float]) -> float | None:
     return sum(kept) / len(kept)
 
 
+def _ratio(trial: dict) -> float:
+    """A trial's verdict: the pool's cost over inline's."""
+    return trial[POOL] / max(trial[INLINE], 1e-12)
+
+
 def _median(samples: list[float]) -> float | None:
     """The lower middle one; None for no samples."""
     if not samples:
@@ -137,7 +142,7 @@ class _Row:
         self.ratio: float | None = None  # the verdict: pool's cost / inline's
         self.trials: deque = deque(maxlen=TRIALS)  # the last ones' {path: cost}
         self.tried = 0  # trials started
-        self.early = 0  # of which sooner than EXPLORE_FAR (the chosen path's cost rose)
+        self.early = 0  # of which sooner than EXPLORE_FAR (the chosen path's cost moved)
         self.steady: deque = deque(maxlen=WINDOW)  # the choice's, since the last trial
 
 
@@ -192,7 +197,7 @@ class Learner:
         inline, pool = _trimmed_mean(row.samples[INLINE]), _trimmed_mean(row.samples[POOL])
         row.trials.append({INLINE: inline, POOL: pool})
         recent = list(row.trials)[-1:] if len(row.trials) == 2 else list(row.trials)
-        ratios = sorted(t[POOL] / max(t[INLINE], 1e-12) for t in recent)
+        ratios = sorted(_ratio(t) for t in recent)
         row.ratio = ratios[len(ratios) // 2]  # of two, the newer's: a change shows at once
         row.costs = {p: sorted(t[p] for t in recent)[len(recent) // 2] for p in (INLINE, POOL)}
         row.choice = POOL if row.ratio < 1 else INLINE
@@ -204,12 +209,12 @@ class Learner:
         seconds)."""
         row = self._rows[io_class][bucket(length)]
         if row.stage < 0:  # between trials: does the choice still cost what it did?
-            mine, other = row.costs[path], row.costs[_other(path)]
-            if path == row.choice and other is not None and (
+            mine = row.costs[path]
+            if path == row.choice and mine is not None and (
                     row.next_trial > row.trial_start + EXPLORE):
                 row.steady.append(seconds / length)
                 cost = _median(list(row.steady)) if len(row.steady) == WINDOW else None
-                if cost is not None and (cost > min(other, FAR * mine) or cost < mine / FAR):
+                if cost is not None and not mine / FAR <= cost <= FAR * mine:
                     row.steady.clear()
                     sooner = max(row.trial_start + EXPLORE, row.requests)
                     if sooner < row.next_trial:
@@ -259,8 +264,7 @@ class Learner:
                     "requests": row.requests, "choice": choice, "trials": row.tried,
                     "early_trials": row.early,
                     "pool_to_inline": None if row.ratio is None else round(row.ratio, 3),
-                    "last_trials": [round(t[POOL] / max(t[INLINE], 1e-12), 3)
-                                    for t in row.trials],
+                    "last_trials": [round(_ratio(t), 3) for t in row.trials],
                     "inline_us_per_mib": _per_mib(row.costs[INLINE]),
                     "pool_us_per_mib": _per_mib(row.costs[POOL])}
             if buckets:
