@@ -98,8 +98,8 @@ def gate_of(control: str) -> dict:
 
 
 def test_an_idle_request_completes_under_a_constant_be_load(default_image, servers, tmp_path):
-    """Four be clients read as fast as they can; an idle client's 1 MiB reads each wait
-    at the gate and run when they have waited WAIT_S (the bound docs/control.md states),
+    """Four be clients read as fast as they can; an idle client's 1 MiB reads wait at the
+    gate and run when they have waited WAIT_S (the bound docs/control.md states),
     so each completes within WAIT_S and its own work (1.5 s of slack on a shared
     machine), and returns the image's bytes."""
     control = str(tmp_path / "ctl.sock")
@@ -122,8 +122,9 @@ def test_an_idle_request_completes_under_a_constant_be_load(default_image, serve
             thread.join(60)
     assert errors == []
     assert worst < WAIT_S + 1.5, worst
-    assert gate["aged"] >= 1, gate  # the bound, not a lull in the load, let one run
-    assert gate["waited"] >= 3, gate
+    # the bound, not a lull in the load, let one run; a request may also find a lull of
+    # the be clients (a busy machine) and run without waiting, as idle should
+    assert gate["waited"] >= gate["aged"] >= 1, gate
 
 
 def test_idle_waits_for_be_and_runs_freely_once_be_has_gone(default_image, servers,
