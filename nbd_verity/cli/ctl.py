@@ -192,17 +192,20 @@ def dispatch_line(stats: dict) -> str:
 
 
 def learned_lines(learned: dict) -> list[str]:
-    """Per class that took requests of 64 KiB or more (unpinned): what served each size
-    best lately, in microseconds per MiB inline and on the pool, the pool's cost as a
-    share of inline's within the trials (what decides), and the choice."""
+    """Per class that took requests of 64 KiB or more (unpinned) and per load (how many
+    clients sent them): what served each size best lately, in microseconds per MiB
+    inline and on the pool, the pool's cost as a share of inline's within the trials
+    (what decides), and the choice."""
     lines = []
-    for name, row in learned.items():
-        sizes = "  ".join(f"{int(size) >> 10}K: {_us(b['inline_us_per_mib'])}/"
-                          f"{_us(b['pool_us_per_mib'])} us/MiB{_ratio(b)} {b['choice'] or '-'}"
-                          for size, b in row["buckets"].items())
-        start = row["pool_from"]
-        lines.append(f"learned {name}: pool from {start >> 10 if start else '-'}"
-                     f"{'K' if start else ''} (inline/pool: {sizes})")
+    for name, per_class in learned.items():
+        for clients, row in per_class["loads"].items():
+            sizes = "  ".join(f"{int(size) >> 10}K: {_us(b['inline_us_per_mib'])}/"
+                              f"{_us(b['pool_us_per_mib'])} us/MiB{_ratio(b)} "
+                              f"{b['choice'] or '-'}" for size, b in row["buckets"].items())
+            start = row["pool_from"]
+            who = "1 client" if clients == "1" else f"{clients} clients"
+            lines.append(f"learned {name}, {who}: pool from {start >> 10 if start else '-'}"
+                         f"{'K' if start else ''} (inline/pool: {sizes})")
     return lines
 
 

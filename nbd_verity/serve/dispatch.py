@@ -16,9 +16,11 @@ request on; none in flight is disturbed.
 
 Under load the table alone is not right (docs/control.md, "Dispatch under load"). For a
 class whose threshold nobody set explicitly, a request of at least 64 KiB takes the path
-that won its class and size's recent trials (learn.py: runs of the chosen path, the
-other and the chosen again, of whole client cycles, each path's first 150 ms after a
-change not counted, the verdict the pool/inline ratio), and one that should take the pool
+of a rule per class, size and load (learn.py: the pool while there are fewer clients than
+workers, inline when every worker has one), unless its recent trials found the other
+clearly cheaper (runs of the chosen path, the other and the chosen again, of whole client
+cycles, each path's first 150 ms after a change not counted, the verdict the pool/inline
+ratio), and one that should take the pool
 goes there only while such requests are at most half the workers and a worker is free
 (pool.demand); otherwise it is verified inline, in its own nbdkit thread, instead of
 waiting in the queue behind other connections' chunks (counted as `busy_inline`). A
@@ -119,7 +121,8 @@ class Dispatcher:
         self.chunk_size = max(block_size, POOL_CHUNK_SIZE - POOL_CHUNK_SIZE % block_size)
         self.stats = PathStats()
         self._busy_inline = Tally(len(CLASSES))  # pool-sized, verified inline: pool busy
-        self.learner = Learner()  # the unpinned classes' choice at LEARN_MIN bytes and more
+        # the unpinned classes' choice at LEARN_MIN bytes and more
+        self.learner = Learner(cores=self.workers, spread=2 * self.chunk_size)
         self._pool: ClassPool | None = None
         self._shared_pool = shared_pool  # a many-export server's: () -> its one pool
         self._start_lock = threading.Lock()
@@ -158,14 +161,16 @@ class Dispatcher:
         if io_class in self.pinned or length < LEARN_MIN:
             self._timed(buf, offset, io_class, path)
             return
-        path = self.learner.choose(io_class, length, path)
+        load = self.learner.load(id(clock), time.perf_counter())
+        path = self.learner.choose(io_class, length, path, load)
         if path == POOL:
             with (self._pool or self.start()).demand() as worth:
                 if not worth:  # the cores are taken: this thread verifies it, no queueing
                     self._busy_inline.row()[io_class] += 1
-                self._timed(buf, offset, io_class, POOL if worth else INLINE, clock, POOL)
+                self._timed(buf, offset, io_class, POOL if worth else INLINE, clock,
+                            (POOL, load))
             return
-        self._timed(buf, offset, io_class, path, clock, INLINE)
+        self._timed(buf, offset, io_class, path, clock, (INLINE, load))
 
     def _learned(self, clock: list, now: float) -> None:
         """The connection's previous learned request, now that its next one has come: its
@@ -177,17 +182,17 @@ class Dispatcher:
         CYCLE_GAP_S in between, or sent this one before the last had ended, the request
         alone is the sample. Requests the fast path answered in between (fastpath.py, which
         does not come here) count into the cycle."""
-        started, ended, length, path, io_class = clock
+        started, ended, length, (path, load), io_class = clock
         clock[0] = 0.0
         gap = now - ended
         seconds = now - started if 0 <= gap <= CYCLE_GAP_S else ended - started
-        self.learner.record(io_class, length, path, seconds, started)
+        self.learner.record(io_class, length, path, seconds, started, load)
 
     def _timed(self, buf: memoryview, offset: int, io_class: int, path: str,
-               clock: list | None = None, learn: str | None = None) -> None:
-        """learn: the path the learner chose, whose sample this is (the pool's choice
-        includes its requests verified inline when no worker was free: what choosing the
-        pool gets the client); None: no sample."""
+               clock: list | None = None, learn: tuple | None = None) -> None:
+        """learn: the path the learner chose and the load it chose at, whose sample this
+        is (the pool's choice includes its requests verified inline when no worker was
+        free: what choosing the pool gets the client); None: no sample."""
         length = len(buf)
         started = time.perf_counter()
         try:
@@ -201,7 +206,8 @@ class Dispatcher:
             if learn and clock is not None:  # a sample when the next request comes
                 clock[:] = [started, ended, length, learn, io_class]
             elif learn:
-                self.learner.record(io_class, length, learn, ended - started, started)
+                self.learner.record(io_class, length, learn[0], ended - started, started,
+                                    learn[1])
 
     def _read_in_pool(self, buf: memoryview, offset: int, io_class: int) -> None:
         """Split on block boundaries into chunks, verify them in parallel, wait for all.

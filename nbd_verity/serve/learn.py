@@ -1,14 +1,24 @@
-"""The inline-or-pool choice learned from live requests, per class and size.
+"""The inline-or-pool choice learned from live requests, per class, size and load.
 
 The start-up calibration (calibrate.py) times one request at a time on an idle server,
 and a start on a busy machine, or one core's neighbour at work, keeps what it measured
 then (measured: three starts on the same quiet machine chose 4 MiB, 4 MiB and all
 inline, minutes after one chose 256 KiB, while fio's 2 MiB reads from one client ran
 1009 MB/s on the pool and 760 inline). So for a class nobody pinned, a request of at
-least LEARN_MIN bytes takes the path that won its size's last trial:
+least LEARN_MIN bytes takes the path a rule gives it, unless trials of both paths find
+the other clearly cheaper:
 
-- Requests are grouped by class and size bucket (powers of two: 64 KiB up to 128 KiB,
-  ... up to 32 MiB). A request's cost is its cycle as its client sees it: from its start
+- Requests are grouped by class, size bucket (powers of two: 64 KiB up to 128 KiB, ...
+  up to 32 MiB) and load: how many connections sent the last LOAD_LAST learned requests
+  within LOAD_S, this one's included (LOADS: 1, 2, 3-4, 5-8, 9-16 clients). Each load
+  learns apart, so a change of load takes what that load learned before at once
+  (measured: one client's 2 MiB reads after four clients' stayed on the four clients'
+  inline for up to 4000 of 6000 requests, at 0.87 of the pool's throughput, while the
+  buckets were per size alone).
+- The rule (Learner.rule): the pool when it has idle workers (fewer
+  clients than workers) and the request spans two of them, inline when every worker
+  has a client; otherwise the table's path.
+- A request's cost is its cycle as its client sees it: from its start
   to the start of the same connection's next request (dispatch.py, Dispatcher._learned),
   in seconds per byte, under whatever load there is.
 - A trial is three runs: the chosen path, the other, the chosen again, each until it
@@ -24,9 +34,14 @@ least LEARN_MIN bytes takes the path that won its size's last trial:
   cost while the pool served the same reads 27% faster; skipping 150 ms, 0.57-0.68).
   A path's cost in a trial is the mean of its samples but the costliest TRIM share
   (throughput is paid by the mean; the trim keeps a preempted request out), and the
-  trial's verdict the ratio of the pool's cost to inline's; the choice is the pool when
-  the median of the last TRIALS verdicts (the newer of two) is under 1. A bucket starts
-  with a trial (the table's path as the chosen one), and one starts every EXPLORE
+  trial's verdict the ratio of the pool's cost to inline's. The verdict is the median of
+  the last TRIALS (the newer of two); the choice is inline over MARGIN, the pool under
+  1 / MARGIN, the rule's path in between: a trial rates the path it switches to worse
+  than a stream of it runs, however long the skip (measured: one client's 2 MiB reads,
+  trial verdicts 0.89-1.13 and one 1.68 while pinned all pool served them 13-29% faster
+  than all inline, which kept them inline in half the trials when the line was 1). A
+  bucket starts with a trial (the rule's path as the chosen one), and one starts every
+  EXPLORE
   requests after, or every EXPLORE_FAR when the worse path cost over FAR times the
   other. While trials are that far apart, the chosen path's last WINDOW requests are
   watched: when their median costs over FAR times or under 1 / FAR times what the path
@@ -84,6 +99,11 @@ FAR = 1.5
 TRIALS = 3  # the verdict: the median of the last this-many trials' ratios
 TRIM = 0.125  # a run's cost: the mean of its samples but this share of the costliest
 WINDOW = 8  # trials EXPLORE_FAR apart: the chosen path's latest requests watched
+LOAD_LAST = 16  # a request's load: the connections among the last this-many learned requests
+LOAD_S = 0.25  # ... that started within this many seconds before it
+LOADS = ("1", "2", "3-4", "5-8", "9-16")  # the rows per class and bucket, by those clients
+_MOST = (1, 2, 4, 8, 16)  # ... and the most clients each stands for
+MARGIN = 1.15  # the trials overturn the rule's path when the other cost this much less
 _RUNS = (0, 1, 0)  # a trial's runs: the chosen path (0), the other (1), the chosen
 _WANT = (COUNT // 2, COUNT, COUNT // 2)  # ... and the samples each counts
 
@@ -91,6 +111,10 @@ _WANT = (COUNT // 2, COUNT, COUNT // 2)  # ... and the samples each counts
 def bucket(length: int) -> int:
     """0 for LEARN_MIN..2*LEARN_MIN-1 bytes, 1 for the next power of two, ..."""
     return min(BUCKETS - 1, length.bit_length() - LEARN_MIN.bit_length())
+
+
+def load_name(level: int) -> str:
+    return LOADS[level]
 
 
 def _other(path: str) -> str:
@@ -123,11 +147,12 @@ class _Row:
     """One class's bucket."""
 
     __slots__ = ("choice", "costs", "counted", "early", "handed", "next_trial", "path",
-                 "ratio", "requests", "run_start", "samples", "seen", "stage", "steady",
+                 "ratio", "requests", "rule", "run_start", "samples", "seen", "stage", "steady",
                  "trial_start", "trials", "tried")
 
     def __init__(self) -> None:
         self.choice: str | None = None  # None: before its first trial
+        self.rule: str | None = None  # Learner.rule's path for it
         self.requests = 0
         self.trial_start = 0  # the request count at which the last trial started
         self.next_trial = 0  # ... and the next one starts
@@ -147,21 +172,44 @@ class _Row:
 
 
 class Learner:
-    """Per (class, bucket): the choice, and the trial under way. warm_s: WARM_S (the
-    tests' synthetic samples take none)."""
+    """Per (class, load, bucket): the choice, and the trial under way. warm_s: WARM_S
+    (the tests' synthetic samples take none)."""
 
-    def __init__(self, warm_s: float = WARM_S) -> None:
-        self._rows = [[_Row() for _ in range(BUCKETS)] for _ in CLASSES]
+    def __init__(self, warm_s: float = WARM_S, cores: int = 1, spread: int = 0) -> None:
+        self._rows = [[[_Row() for _ in range(BUCKETS)] for _ in LOADS] for _ in CLASSES]
+        self._recent: deque = deque(maxlen=LOAD_LAST)  # (started, connection)
         self.warm_s = warm_s
+        self.cores = cores  # the pool's workers
+        self.spread = spread  # the least bytes the pool splits across two of them (0: none)
 
-    def choose(self, io_class: int, length: int, table_path: str) -> str:
-        row = self._rows[io_class][bucket(length)]
+    def rule(self, load: int, length: int, table_path: str) -> str:
+        """The path before and beside the trials: the pool when it has idle workers (fewer
+        clients than workers) and the request spans two of them, inline when every worker
+        has a client; otherwise the table's."""
+        if self.cores <= 1 or not self.spread:
+            return table_path
+        if _MOST[load] >= self.cores:
+            return INLINE
+        return POOL if length >= self.spread else table_path
+
+    def load(self, connection: object, now: float) -> int:
+        """A learned request's load (an index of LOADS): how many connections sent the
+        last LOAD_LAST learned requests within LOAD_S, this one included."""
+        self._recent.append((now, connection))
+        cutoff = now - LOAD_S
+        clients = len({c for t, c in tuple(self._recent) if t >= cutoff})  # a copy: racy
+        return min(len(LOADS) - 1, (clients - 1).bit_length())
+
+    def choose(self, io_class: int, length: int, table_path: str, load: int = 0) -> str:
+        row = self._rows[io_class][load][bucket(length)]
         count = row.requests
         row.requests = count + 1
         if row.stage < 0:
             if count < row.next_trial:
                 return row.choice
-            row.choice = row.choice or table_path  # a trial, the choice's path first
+            if row.rule is None:
+                row.rule = self.rule(load, length, table_path)
+            row.choice = row.choice or row.rule  # a trial, the choice's path first
             row.samples = {INLINE: [], POOL: []}
             row.steady.clear()
             row.trial_start = count
@@ -200,14 +248,15 @@ class Learner:
         ratios = sorted(_ratio(t) for t in recent)
         row.ratio = ratios[len(ratios) // 2]  # of two, the newer's: a change shows at once
         row.costs = {p: sorted(t[p] for t in recent)[len(recent) // 2] for p in (INLINE, POOL)}
-        row.choice = POOL if row.ratio < 1 else INLINE
+        row.choice = (INLINE if row.ratio > MARGIN else POOL if row.ratio < 1 / MARGIN
+                      else row.rule)
         row.next_trial = row.trial_start + Learner._every(row)
 
     def record(self, io_class: int, length: int, path: str, seconds: float,
-               started: float | None = None) -> None:
+               started: float | None = None, load: int = 0) -> None:
         """A learned request's cost: seconds from its start (perf_counter; None: now less
-        seconds)."""
-        row = self._rows[io_class][bucket(length)]
+        seconds), at the load it was chosen at."""
+        row = self._rows[io_class][load][bucket(length)]
         if row.stage < 0:  # between trials: does the choice still cost what it did?
             mine = row.costs[path]
             if path == row.choice and mine is not None and (
@@ -238,37 +287,44 @@ class Learner:
                 self._start_run(row, row.stage + 1)
 
     def reset(self) -> None:
-        for rows in self._rows:
-            for i in range(len(rows)):
-                rows[i] = _Row()
+        for loads in self._rows:
+            for rows in loads:
+                for i in range(len(rows)):
+                    rows[i] = _Row()
+        self._recent.clear()
 
     def snapshot(self) -> dict:
-        """Per class with requests: its buckets (bytes from) with µs per MiB on each path
-        over the last trials (the median of each), the verdict (the median of the trials'
-        pool/inline ratios) and those trials' ratios, oldest first, the choice (None
-        before a trial ended), the trials started (early ones apart), and the smallest
-        bucket the pool is chosen for (None: none)."""
+        """Per class with requests, per load (LOADS: the clients) with requests: its
+        buckets (bytes from) with µs per MiB on each path over the last trials (the median
+        of each), the verdict (the median of the trials' pool/inline ratios) and those
+        trials' ratios, oldest first, the choice (None before a trial ended), the trials
+        started (early ones apart), and the smallest bucket the pool is chosen for (None:
+        none)."""
         out: dict = {}
-        for c, rows in enumerate(self._rows):
-            buckets = {}
-            pool_from = None
-            for b, row in enumerate(rows):
-                if not row.requests:
-                    continue
-                size = LEARN_MIN << b
-                decided = row.costs[INLINE] is not None
-                choice = row.choice if decided else None
-                if choice == POOL and pool_from is None:
-                    pool_from = size
-                buckets[str(size)] = {
-                    "requests": row.requests, "choice": choice, "trials": row.tried,
-                    "early_trials": row.early,
-                    "pool_to_inline": None if row.ratio is None else round(row.ratio, 3),
-                    "last_trials": [round(_ratio(t), 3) for t in row.trials],
-                    "inline_us_per_mib": _per_mib(row.costs[INLINE]),
-                    "pool_us_per_mib": _per_mib(row.costs[POOL])}
-            if buckets:
-                out[CLASSES[c]] = {"pool_from": pool_from, "buckets": buckets}
+        for c, loads in enumerate(self._rows):
+            per_load = {}
+            for level, rows in enumerate(loads):
+                buckets = {}
+                pool_from = None
+                for b, row in enumerate(rows):
+                    if not row.requests:
+                        continue
+                    size = LEARN_MIN << b
+                    decided = row.costs[INLINE] is not None
+                    choice = row.choice if decided else None
+                    if choice == POOL and pool_from is None:
+                        pool_from = size
+                    buckets[str(size)] = {
+                        "requests": row.requests, "choice": choice, "trials": row.tried,
+                        "early_trials": row.early,
+                        "pool_to_inline": None if row.ratio is None else round(row.ratio, 3),
+                        "last_trials": [round(_ratio(t), 3) for t in row.trials],
+                        "inline_us_per_mib": _per_mib(row.costs[INLINE]),
+                        "pool_us_per_mib": _per_mib(row.costs[POOL])}
+                if buckets:
+                    per_load[LOADS[level]] = {"pool_from": pool_from, "buckets": buckets}
+            if per_load:
+                out[CLASSES[c]] = {"loads": per_load}
         return out
 
 

@@ -5,7 +5,11 @@ back at run time. Real `nbd-verity serve`, real control socket, real NBD reads."
 
 from __future__ import annotations
 
+import os
+
 from nbd_verity.limits import MAX_REQUEST_SIZE
+from nbd_verity.serve.dispatch import POOL_CHUNK_SIZE
+from nbd_verity.serve.learn import LEARN_MIN
 
 from .harness import CLASSES, ctl
 
@@ -41,17 +45,25 @@ def test_the_default_table_is_calibrated_and_says_how(servers, image):
     assert shown.stdout.splitlines()[-1].startswith(
         f"calibrated at start-up in {calibration['ms']:.0f} ms: "), shown.stdout
 
-    # the first request of a size takes the table's path (serve/learn.py starts there):
-    # at the threshold inline, at twice it (the next size group) the pool
-    threshold = min(calibration["threshold"], image.size)
-    above = 2 * calibration["threshold"] <= image.size  # a request over it fits here
+    # the first request of a size takes the table's path (at the threshold inline, at
+    # twice it the pool), unless serve/learn.py's rule says otherwise: one client, a
+    # request of two pool chunks or more and two workers or more take the pool. At
+    # 4096 bytes in (4096-byte blocks), one of 512 KiB spans two leaf hash blocks: never
+    # the fast path, which would verify it inline whatever the rule
+    start = 4096
+    threshold = min(calibration["threshold"], image.size - start)
+    above = 2 * calibration["threshold"] <= image.size - start  # one over it fits here
+    sizes = [threshold] + ([2 * threshold] if above else [])
+    rule = (os.cpu_count() or 1) >= 2
+    pooled = [size > calibration["threshold"] or (
+        rule and size >= LEARN_MIN and size >= 2 * POOL_CHUNK_SIZE) for size in sizes]
     server.reset_stats()
     with server.client("@be") as h:
-        assert h.pread(threshold, 0) == image.expected(0, threshold)
-        if above:
-            assert h.pread(2 * threshold, 0) == image.expected(0, 2 * threshold)
+        for size in sizes:
+            assert h.pread(size, start) == image.expected(start, size)
     be = server.stats()["classes"]["be"]
-    assert (be["inline"]["requests"], be["pool"]["requests"]) == (1, int(above))
+    assert (be["inline"]["requests"], be["pool"]["requests"]) == (
+        pooled.count(False), pooled.count(True)), (sizes, be)
 
 
 def test_explicit_thresholds_win_and_presets_are_not_calibrated(servers, image):

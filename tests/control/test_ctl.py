@@ -116,15 +116,16 @@ def test_thresholds_and_stats_show_what_was_learned(servers, image):
         for i in range(requests):
             offset = (i * size) % (image.size - image.size % size)
             assert h.pread(size, offset) == image.expected(offset, size)
-    bucket = server.stats()["learned"]["be"]["buckets"][str(size)]
+    bucket = server.stats()["learned"]["be"]["loads"]["1"]["buckets"][str(size)]
     assert bucket["requests"] == requests and bucket["trials"] == 1, bucket
     assert bucket["choice"] in ("inline", "pool") and bucket["pool_to_inline"] > 0
     assert (bucket["choice"] == "pool") == (bucket["pool_to_inline"] < 1)
     shown = ctl(server.control, "thresholds")
     assert shown.returncode == 0, shown.stderr
-    learned = [line for line in shown.stdout.splitlines() if line.startswith("learned be:")]
+    learned = [line for line in shown.stdout.splitlines() if line.startswith("learned be")]
     inline, pool = (round(bucket[f"{p}_us_per_mib"]) for p in ("inline", "pool"))
-    assert learned == [f"learned be: pool from {'1024K' if bucket['choice'] == 'pool' else '-'}"
+    start = '1024K' if bucket['choice'] == 'pool' else '-'
+    assert learned == [f"learned be, 1 client: pool from {start}"
                        f" (inline/pool: 1024K: {inline}/{pool} us/MiB pool "
                        f"x{bucket['pool_to_inline']:.2f} {bucket['choice']})"], shown.stdout
 
