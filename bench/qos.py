@@ -168,14 +168,31 @@ def alike(job: fiorun.Job) -> dict[str, list[str]]:
     return {names[0]: names for names in groups.values()}
 
 
+def balanced(n: int, k: int) -> list[int]:
+    """The k-th order of n configs in a Williams design: over n orders (2n when n is
+    odd) every config comes first, second, ... and right after every other one as often
+    (a slice right after another process's, or after a table that loads the machine
+    otherwise, may run unlike one after the same server's)."""
+    first, low, high = [0], 1, n - 1
+    while len(first) < n:
+        first.append(low)
+        low += 1
+        if len(first) < n:
+            first.append(high)
+            high -= 1
+    row = k % (n if n % 2 == 0 else 2 * n)
+    order = [(x + row) % n for x in first]
+    return order[::-1] if row >= n else order
+
+
 def dispatch_round(server, seconds: float, out: dict, baseline=None, turn: int = 0) -> None:
     """Each workload on the default, each fixed table that dispatches it differently and
-    the baseline, in slices of one second taken in turn (the order turning by one each
-    slice and each round), DISPATCH_SLICES x seconds of each in all: this machine's
-    speed moves from one second to the next (identical dispatch measured 5 s after 5 s
-    differed by up to 15%), and slices in turn put every table under the same seconds. A
-    table's MB/s is the mean of its slices'; the tables that dispatch the workload alike
-    get their group's."""
+    the baseline, in slices of one second taken in turn (each slice and each round in
+    the next order of a balanced design), DISPATCH_SLICES x seconds of each in all:
+    this machine's speed moves from one second to the next (identical dispatch measured
+    5 s after 5 s differed by up to 15%), and slices in turn put every table under the
+    same seconds. A table's MB/s is the mean of its slices'; the tables that dispatch
+    the workload alike get their group's."""
     slices = max(1, round(DISPATCH_SLICES * seconds))
     for job in WORKLOADS:
         groups = alike(job)
@@ -183,8 +200,7 @@ def dispatch_round(server, seconds: float, out: dict, baseline=None, turn: int =
         timed = fiorun.Job(job.rw, job.bs, numjobs=job.numjobs, runtime=1)
         got: dict = {}
         for i in range(slices):
-            shift = (turn * slices + i) % len(configs)
-            for config in configs[shift:] + configs[:shift]:
+            for config in (configs[j] for j in balanced(len(configs), turn * slices + i)):
                 if config == "baseline":
                     uri = baseline.uri("@be")
                 else:

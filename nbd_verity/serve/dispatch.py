@@ -121,8 +121,10 @@ class Dispatcher:
         self.chunk_size = max(block_size, POOL_CHUNK_SIZE - POOL_CHUNK_SIZE % block_size)
         self.stats = PathStats()
         self._busy_inline = Tally(len(CLASSES))  # pool-sized, verified inline: pool busy
-        # the unpinned classes' choice at LEARN_MIN bytes and more
-        self.learner = Learner(cores=self.workers, spread=2 * self.chunk_size)
+        # the unpinned classes' choice at LEARN_MIN bytes and more; the rule's workers are
+        # those that can run at once (no more than the CPUs this process may use)
+        cores = min(self.workers, len(os.sched_getaffinity(0)))
+        self.learner = Learner(cores=cores, spread=2 * self.chunk_size)
         self._pool: ClassPool | None = None
         self._shared_pool = shared_pool  # a many-export server's: () -> its one pool
         self._start_lock = threading.Lock()

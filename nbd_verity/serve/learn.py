@@ -179,7 +179,7 @@ class Learner:
         self._rows = [[[_Row() for _ in range(BUCKETS)] for _ in LOADS] for _ in CLASSES]
         self._recent: deque = deque(maxlen=LOAD_LAST)  # (started, connection)
         self.warm_s = warm_s
-        self.cores = cores  # the pool's workers
+        self.cores = cores  # the pool's workers that can run at once
         self.spread = spread  # the least bytes the pool splits across two of them (0: none)
 
     def rule(self, load: int, length: int, table_path: str) -> str:

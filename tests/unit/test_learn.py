@@ -9,6 +9,7 @@ small requests never consult it."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -101,6 +102,13 @@ def test_the_rule_the_pool_with_idle_workers_inline_when_every_one_has_a_client(
     assert Learner(cores=1, spread=512 << 10).rule(one, 2 * MIB, INLINE) == INLINE
     assert learner.choose(BE, 2 * MIB, INLINE, one) == POOL  # its trial: the rule's first
     assert learner.choose(BE, 2 * MIB, POOL, four) == INLINE
+
+
+def test_the_rules_workers_are_those_that_can_run_at_once():
+    cpus = len(os.sched_getaffinity(0))
+    for workers, cores in ((64, cpus), (1, 1)):
+        d = Dispatcher(lambda view, offset: None, 4096, (0,) * 4, workers=workers)
+        assert d.learner.cores == cores and d.learner.spread == 2 * d.chunk_size
 
 
 def test_trials_overturn_the_rule_only_by_the_margin():
