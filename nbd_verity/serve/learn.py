@@ -37,9 +37,10 @@ the other clearly cheaper:
   trial's verdict the ratio of the pool's cost to inline's. The verdict is the median of
   the last TRIALS (the newer of two); the choice is inline over MARGIN, the pool under
   1 / MARGIN, the rule's path in between: a trial rates the path it switches to worse
-  than a stream of it runs, however long the skip (measured: one client's 2 MiB reads,
-  trial verdicts 0.89-1.13 and one 1.68 while pinned all pool served them 13-29% faster
-  than all inline, which kept them inline in half the trials when the line was 1). A
+  than a stream of it runs, even after WARM_S (measured: one client's 2 MiB reads,
+  trial verdicts 0.66-1.13 and one 1.68 while pinned all pool served them 13-29% faster
+  than all inline; with the line at 1, two of three phases of those reads ended inline,
+  at 0.77-0.89 of the best table). A
   bucket starts with a trial (the rule's path as the chosen one), and one starts every
   EXPLORE
   requests after, or every EXPLORE_FAR when the worse path cost over FAR times the
@@ -102,7 +103,6 @@ WINDOW = 8  # trials EXPLORE_FAR apart: the chosen path's latest requests watche
 LOAD_LAST = 16  # a request's load: the connections among the last this-many learned requests
 LOAD_S = 0.25  # ... that started within this many seconds before it
 LOADS = ("1", "2", "3-4", "5-8", "9-16")  # the rows per class and bucket, by those clients
-_MOST = (1, 2, 4, 8, 16)  # ... and the most clients each stands for
 MARGIN = 1.15  # the trials overturn the rule's path when the other cost this much less
 _RUNS = (0, 1, 0)  # a trial's runs: the chosen path (0), the other (1), the chosen
 _WANT = (COUNT // 2, COUNT, COUNT // 2)  # ... and the samples each counts
@@ -111,10 +111,6 @@ _WANT = (COUNT // 2, COUNT, COUNT // 2)  # ... and the samples each counts
 def bucket(length: int) -> int:
     """0 for LEARN_MIN..2*LEARN_MIN-1 bytes, 1 for the next power of two, ..."""
     return min(BUCKETS - 1, length.bit_length() - LEARN_MIN.bit_length())
-
-
-def load_name(level: int) -> str:
-    return LOADS[level]
 
 
 def _other(path: str) -> str:
@@ -188,7 +184,7 @@ class Learner:
         has a client; otherwise the table's."""
         if self.cores <= 1 or not self.spread:
             return table_path
-        if _MOST[load] >= self.cores:
+        if 1 << load >= self.cores:  # the most clients the load stands for
             return INLINE
         return POOL if length >= self.spread else table_path
 

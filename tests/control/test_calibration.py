@@ -54,7 +54,7 @@ def test_the_default_table_is_calibrated_and_says_how(servers, image):
     threshold = min(calibration["threshold"], image.size - start)
     above = 2 * calibration["threshold"] <= image.size - start  # one over it fits here
     sizes = [threshold] + ([2 * threshold] if above else [])
-    rule = (os.cpu_count() or 1) >= 2
+    rule = len(os.sched_getaffinity(0)) >= 2  # the server's workers: the CPUs here
     pooled = [size > calibration["threshold"] or (
         rule and size >= LEARN_MIN and size >= 2 * POOL_CHUNK_SIZE) for size in sizes]
     server.reset_stats()
