@@ -13,7 +13,8 @@ bulk load <= 1.5x alone; an idle bulk load alone >= 0.95 of a be bulk load alone
 Dispatch. For 4 KiB random x8, 64 KiB random x8, 512 KiB sequential x8, 2 MiB sequential
 x1 and x4 (fio, nbd engine): the default server's MB/s against each fixed table (all
 inline, all pool, 64K, 256K, 1M, set with `ctl thresholds`: pinned), in slices of one
-second taken in turn, 2 x SECONDS of each per round. A pinned table sends every request
+second taken in turn, 3 x SECONDS of each per round, on PROCESSES server processes
+started anew each round (the slices spread over them alike). A pinned table sends every request
 of one size the same way (inline when it fits the threshold, else the pool), so the
 fixed tables that dispatch a workload alike are one measurement, taken as often as the
 default's: the best of four runs of one table against one run of the default would be
@@ -23,8 +24,8 @@ Target: the default >= 0.95 of the best fixed table for each workload.
 
 With --baseline DIR (a checkout of an earlier main, its extensions built in place:
 `python setup.py build_ext --inplace` there), a server of that checkout on its own
-default table runs each dispatch workload in the same rounds, in the same turns: the
-"no workload slower than before" column.
+default table runs each dispatch workload in the same rounds, in the same turns, on as
+many processes of its own: the "no workload slower than before" column.
 
     python bench/qos.py [ROUNDS [SECONDS]] [--baseline DIR]   (default 3 5; make bench)
 """
@@ -57,9 +58,10 @@ WORKLOADS = [fiorun.Job("randread", 4 * KIB), fiorun.Job("randread", 64 * KIB),
 TABLES = {"all inline": 32 * MIB, "all pool": 0, "64K": 64 * KIB, "256K": 256 * KIB,
           "1M": MIB}
 CLASSES = ("none", "rt", "be", "idle")
-DISPATCH_SLICES = 2  # dispatch: one-second slices per config and round, per SECONDS (a
-# table's mean of 5 slices moved +-6% between identical configs: 10 halve the default's
-# share of that noise in its ratio)
+DISPATCH_SLICES = 3  # dispatch: one-second slices per config and round, per SECONDS (one
+# slice's MB/s moves 5-10% from the next of the same dispatch: 15 slices put a ratio of
+# two configs' means within about 4% in a round)
+PROCESSES = 2  # dispatch: server processes of each kind per round, started anew each round
 SLICE_S = 1.25  # QoS: the reader's slices alone and beside the load, in turn: longer than
 # the gate's 1 s bound, so that a slice beside the load holds the requests that ran because
 # they had waited that long, at the rate a continuous load gets them
@@ -185,24 +187,31 @@ def balanced(n: int, k: int) -> list[int]:
     return order[::-1] if row >= n else order
 
 
-def dispatch_round(server, seconds: float, out: dict, baseline=None, turn: int = 0) -> None:
+def dispatch_round(fleet: list, seconds: float, out: dict, baselines: list | None = None,
+                   turn: int = 0) -> None:
     """Each workload on the default, each fixed table that dispatches it differently and
     the baseline, in slices of one second taken in turn (each slice and each round in
     the next order of a balanced design), DISPATCH_SLICES x seconds of each in all:
     this machine's speed moves from one second to the next (identical dispatch measured
     5 s after 5 s differed by up to 15%), and slices in turn put every table under the
-    same seconds. A table's MB/s is the mean of its slices'; the tables that dispatch
-    the workload alike get their group's."""
-    slices = max(1, round(DISPATCH_SLICES * seconds))
+    same seconds. The slices go to the fleet's processes in turn (PROCESSES of this
+    server, as many of the baseline's), every config on each as often: identical
+    processes serve at rates up to 20% apart for their whole life (docs/benchmarks.md),
+    so the default and the fixed tables share their processes, and the baseline's
+    column is its own processes' against this server's, new ones each round. A table's
+    MB/s is the mean of its slices'; the tables that dispatch the workload alike get
+    their group's."""
+    slices = max(1, round(DISPATCH_SLICES * seconds / len(fleet))) * len(fleet)
     for job in WORKLOADS:
         groups = alike(job)
-        configs = [None, *groups] + (["baseline"] if baseline is not None else [])
+        configs = [None, *groups] + (["baseline"] if baselines else [])
         timed = fiorun.Job(job.rw, job.bs, numjobs=job.numjobs, runtime=1)
         got: dict = {}
         for i in range(slices):
+            server = fleet[i % len(fleet)]
             for config in (configs[j] for j in balanced(len(configs), turn * slices + i)):
                 if config == "baseline":
-                    uri = baseline.uri("@be")
+                    uri = baselines[i % len(baselines)].uri("@be")
                 else:
                     set_table(server, config)
                     uri = server.uri("@be")
@@ -211,7 +220,8 @@ def dispatch_round(server, seconds: float, out: dict, baseline=None, turn: int =
         for config, values in got.items():
             for name in groups.get(config, [config]):
                 out.setdefault((job.label(), name), []).append(statistics.fmean(values))
-    set_table(server, None)
+        for server in fleet:
+            set_table(server, None)
 
 
 def cell(values: list[float], digits: int = 0) -> str:
@@ -254,6 +264,13 @@ def report(qos: dict, dispatch: dict, rounds: int) -> None:
         print(row)
 
 
+def baseline_server(checkout: Path, image, index: int):
+    """A server of the baseline's checkout (its package first on the path)."""
+    server = servers.verity_server(f"baseline {index}", image, [])
+    server.env = {**server.env, "PYTHONPATH": str(checkout)}
+    return server
+
+
 def main(argv: list[str]) -> int:
     baseline_dir = None
     if "--baseline" in argv:
@@ -271,22 +288,26 @@ def main(argv: list[str]) -> int:
     }
     started["priorities off"].env = {**started["priorities off"].env,
                                      "NBD_VERITY_CLASS_PRIORITY": "0"}
-    baseline = None
-    if baseline_dir is not None:
-        baseline = servers.verity_server("baseline", image, [])
-        baseline.env = {**baseline.env, "PYTHONPATH": str(baseline_dir)}
-        started["baseline"] = baseline
     qos: dict = {}
     dispatch: dict = {}
     print(f"load average before: {os.getloadavg()}", file=sys.stderr)
     try:
         for server in started.values():
             server.start(timeout=120)
-        qos_servers = {k: v for k, v in started.items() if v is not baseline}
         for turn in range(rounds):
             ticks, began = steal(), time.monotonic()
-            qos_round(qos_servers, seconds, qos)
-            dispatch_round(started["priorities on"], seconds, dispatch, baseline, turn)
+            qos_round(started, seconds, qos)
+            fleet = [servers.verity_server(f"default {i}", image, [])
+                     for i in range(PROCESSES)]
+            baselines = [baseline_server(baseline_dir, image, i) for i in range(PROCESSES)
+                         ] if baseline_dir is not None else []
+            try:
+                for server in fleet + baselines:
+                    server.start(timeout=120)
+                dispatch_round(fleet, seconds, dispatch, baselines, turn)
+            finally:
+                for server in fleet + baselines:
+                    server.stop()
             share = (steal() - ticks) / os.sysconf("SC_CLK_TCK") / (
                 (time.monotonic() - began) * (os.cpu_count() or 1))
             print(f"round {turn + 1}: CPU steal {100 * share:.1f}% of this machine's CPU "

@@ -86,7 +86,16 @@ class Server(Launched):
         raise RuntimeError(f"{self.name}: no VmRSS")
 
     def stop(self, timeout: float = STOP_TIMEOUT) -> None:
-        super().stop(timeout)
+        died = self.proc is not None and self.proc.poll() is not None
+        status = super().stop(timeout)
+        if died:  # it ended before it was asked to: say how, with its log's end
+            try:
+                with open(os.path.join(self.dir, "server.log"), errors="replace") as f:
+                    tail = f.read()[-4000:]
+            except OSError:
+                tail = "(no log)"
+            print(f"{self.name}: the server had ended by itself (status {status}); its "
+                  f"log ends:\n{tail}", file=sys.stderr)
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
