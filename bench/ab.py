@@ -29,12 +29,6 @@ import servers  # noqa: E402
 SIZE = 512 << 20
 
 
-def server(checkout: Path, image, name: str):
-    started = servers.verity_server(name, image, [])
-    started.env = {**started.env, "PYTHONPATH": str(checkout)}
-    return started
-
-
 def main(argv: list[str]) -> int:
     if len(argv) < 3:
         print(__doc__.strip().splitlines()[-2].strip(), file=sys.stderr)
@@ -51,7 +45,8 @@ def main(argv: list[str]) -> int:
     job = fiorun.Job(rw, bs, numjobs=jobs, runtime=runtime)
     ratios, rates = [], {"A": [], "B": []}
     for i in range(pairs):
-        pair = {"A": server(a_dir, image, "A"), "B": server(b_dir, image, "B")}
+        pair = {"A": servers.checkout_server("A", image, a_dir),
+                "B": servers.checkout_server("B", image, b_dir)}
         try:
             for started in pair.values():
                 started.start(timeout=120)

@@ -13,8 +13,9 @@ bulk load <= 1.5x alone; an idle bulk load alone >= 0.95 of a be bulk load alone
 Dispatch. For 4 KiB random x8, 64 KiB random x8, 512 KiB sequential x8, 2 MiB sequential
 x1 and x4 (fio, nbd engine): the default server's MB/s against each fixed table (all
 inline, all pool, 64K, 256K, 1M, set with `ctl thresholds`: pinned), in slices of one
-second taken in turn, 3 x SECONDS of each per round, on PROCESSES server processes
-started anew each round (the slices spread over them alike). A pinned table sends every request
+second taken in turn, DISPATCH_SLICES x SECONDS of each per round (rounded to a multiple
+of PROCESSES: 16 for 5 s), on PROCESSES server processes started anew each round (the
+slices spread over them alike). A pinned table sends every request
 of one size the same way (inline when it fits the threshold, else the pool), so the
 fixed tables that dispatch a workload alike are one measurement, taken as often as the
 default's: the best of four runs of one table against one run of the default would be
@@ -59,8 +60,8 @@ TABLES = {"all inline": 32 * MIB, "all pool": 0, "64K": 64 * KIB, "256K": 256 * 
           "1M": MIB}
 CLASSES = ("none", "rt", "be", "idle")
 DISPATCH_SLICES = 3  # dispatch: one-second slices per config and round, per SECONDS (one
-# slice's MB/s moves 5-10% from the next of the same dispatch: 15 slices put a ratio of
-# two configs' means within about 4% in a round)
+# slice's MB/s is 4-10% (sd) from the next of the same dispatch: the mean of 16 is then
+# within about 1-2.5%, by arithmetic, not measured apart)
 PROCESSES = 2  # dispatch: server processes of each kind per round, started anew each round
 SLICE_S = 1.25  # QoS: the reader's slices alone and beside the load, in turn: longer than
 # the gate's 1 s bound, so that a slice beside the load holds the requests that ran because
@@ -264,13 +265,6 @@ def report(qos: dict, dispatch: dict, rounds: int) -> None:
         print(row)
 
 
-def baseline_server(checkout: Path, image, index: int):
-    """A server of the baseline's checkout (its package first on the path)."""
-    server = servers.verity_server(f"baseline {index}", image, [])
-    server.env = {**server.env, "PYTHONPATH": str(checkout)}
-    return server
-
-
 def main(argv: list[str]) -> int:
     baseline_dir = None
     if "--baseline" in argv:
@@ -299,8 +293,8 @@ def main(argv: list[str]) -> int:
             qos_round(started, seconds, qos)
             fleet = [servers.verity_server(f"default {i}", image, [])
                      for i in range(PROCESSES)]
-            baselines = [baseline_server(baseline_dir, image, i) for i in range(PROCESSES)
-                         ] if baseline_dir is not None else []
+            baselines = [servers.checkout_server(f"baseline {i}", image, baseline_dir)
+                         for i in range(PROCESSES)] if baseline_dir is not None else []
             try:
                 for server in fleet + baselines:
                     server.start(timeout=120)

@@ -120,6 +120,14 @@ def verity_server(name: str, image, options: list[str], threads: int | None = No
                   threads)
 
 
+def checkout_server(name: str, image, checkout: Path) -> Server:
+    """nbd-verity serve of another checkout (its package first on the path; its extensions
+    built in place there): a baseline to compare with."""
+    server = verity_server(name, image, [])
+    server.env = {**server.env, "PYTHONPATH": str(checkout)}
+    return server
+
+
 def bare_server(name: str, image, thread_model: str) -> Server:
     """bench/bareplugin.py: one read_verify per request, level 0 in memory."""
     return Server(name, "bare", [f"data={image.data}", f"hash={image.hash}",
