@@ -21,8 +21,10 @@ before be.
 - QUIET_S is 8 ms, as BFQ's slice_idle: how long the block layer waits for a sync
   queue's next request before it serves another. NBD_VERITY_CLASS_PRIORITY=0 turns the
   gate off with the nice values (priority.py): nothing is counted, nothing waits.
-- What it costs when it has nothing to rank: a request of a rank with no better
-  connection open and no worse one to warn looks at two counts and takes no lock.
+- What it costs when it has nothing to rank: while the open connections are all of one
+  rank, `ranked` is False and the plugin does not call the gate at all (one attribute
+  read per request); otherwise a request of a rank with no better connection open and no
+  worse one to warn looks at two counts and takes no lock.
 
 Counts of open connections per rank change under the lock; the per-request path reads
 them without it (a stale count costs one request one needless look or one missed wait).
@@ -58,6 +60,7 @@ class ClassGate:
         self.wait_s = wait_s
         self._cond = threading.Condition(threading.Lock())
         self._open = [0] * RANKS  # connections open, per rank
+        self.ranked = False  # connections of two ranks or more are open: enter() matters
         self._active = [0] * RANKS  # requests in flight, per rank (counted only when a
         self._ended = [0.0] * RANKS  # worse rank is open); the last one's end, monotonic
         self.waits = [0] * RANKS  # requests that waited, per rank (ctl stats)
@@ -71,19 +74,29 @@ class ClassGate:
             return
         with self._cond:
             self._open[RANK[io_class]] += 1
+            self._ranks_changed()
 
     def closed(self, io_class: int) -> None:
         if not self.enabled:
             return
         with self._cond:
             self._open[RANK[io_class]] -= 1
+            self._ranks_changed()
             self._cond.notify_all()  # a better rank gone: its waiters look again
+
+    def _ranks_changed(self) -> None:
+        """Under the lock. enter() waits only behind a better rank and counts only for a
+        worse one, so with one rank open (or none) it would do nothing: `ranked` says
+        whether it may do something. A request that reads it stale is one that raced a
+        connection's open or close, as one reading the counts stale is."""
+        self.ranked = sum(1 for count in self._open if count) > 1
 
     # -- requests -----------------------------------------------------------------------
 
     def enter(self, io_class: int) -> bool:
         """Wait while a better rank is busy (at most wait_s); True when this request must
-        call leave(): a worse rank is open and watches this one."""
+        call leave(): a worse rank is open and watches this one. Called only while
+        `ranked` (plugin.pread); anything else returns False at once, as it would then."""
         rank = RANK[io_class]
         opened = self._open
         if rank and (opened[0] or (rank == 2 and opened[1])):

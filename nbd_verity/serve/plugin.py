@@ -58,7 +58,8 @@ _format_exception = traceback.format_exception
 _failed_reads = [0]  # requests answered with an error, for the log summary
 _failed_lock = threading.Lock()
 _keep = threadstate.keep
-_priority = priority.apply
+_set_nice = priority.setter()  # None: class priority off
+_CLASS_NICE = priority.CLASS_NICE
 _gate = gate.gate
 
 
@@ -264,13 +265,16 @@ def is_rotational(h):
 
 
 def pread(h, buf, offset, flags):
+    """Every call here before the fast path is one the fast path's requests pay: this
+    thread's nice is one C call (a compare when it is set), and the class gate is asked
+    only while connections of two ranks are open (one attribute read otherwise)."""
     _keep()  # from the second request of a thread on: no new Python thread state
-    _priority(h.io_class)  # this thread at its connection's class (a compare when it is)
-    if _gate.enter(h.io_class):  # waits while a better class is busy (serve/gate.py)
-        try:
-            problem = None if h.fast(buf, offset) else _read(h, buf, offset)
-        finally:
-            _gate.leave(h.io_class)
+    if _set_nice is not None:  # this thread at its connection's class (serve/priority.py)
+        refused = _set_nice(_CLASS_NICE[h.io_class])
+        if refused is not None:
+            priority.refusal(h.io_class, refused)
+    if _gate.ranked:  # the gate may make it wait, or count it (serve/gate.py)
+        problem = _ranked_read(h, buf, offset)
     elif h.fast(buf, offset):  # the common request, in one frame more (serve/fastpath.py)
         return
     else:
@@ -279,6 +283,17 @@ def pread(h, buf, offset, flags):
         with _failed_lock:
             _failed_reads[0] += 1
         _failures.fail(*problem)  # outside any except block: see nbdkit_compat
+
+
+def _ranked_read(h, buf, offset):
+    """A request of a server with connections of two ranks open: it waits at the gate
+    while a better class is busy, and is counted while a worse one watches it."""
+    if not _gate.enter(h.io_class):
+        return None if h.fast(buf, offset) else _read(h, buf, offset)
+    try:
+        return None if h.fast(buf, offset) else _read(h, buf, offset)
+    finally:
+        _gate.leave(h.io_class)
 
 
 def _read(h, buf, offset):

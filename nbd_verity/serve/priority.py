@@ -58,7 +58,20 @@ def enabled() -> bool:
 def apply(io_class: int) -> None:
     """The calling thread at io_class's priority (nothing to do if it already is)."""
     refused = _set_nice(CLASS_NICE[io_class])
-    if refused is not None and not _refusal_logged.is_set():
+    if refused is not None:
+        refusal(io_class, refused)
+
+
+def setter():
+    """For the plugin's per-request path, which calls it with CLASS_NICE[io_class] and
+    hands a refusal (an errno, not None) to refusal(): set_nice itself, one C call (no
+    frame of apply's), or None when class priority is off (nothing to set)."""
+    return _set_nice if enabled() else None
+
+
+def refusal(io_class: int, refused: int) -> None:
+    """A refused nice value of io_class's: logged once per process."""
+    if not _refusal_logged.is_set():
         _refusal_logged.set()
         log(f"class {CLASSES[io_class]}: cannot set nice {CLASS_NICE[io_class]} "
             f"({errno.errorcode.get(refused, refused)}; raising a thread's priority needs "

@@ -130,3 +130,40 @@ def test_switched_off_counts_nothing_and_never_waits():
     assert gate.enter(IDLE) is False
     assert time.monotonic() - started < 1
     assert gate.snapshot()["rt"]["connections"] == 0
+
+
+def test_ranked_only_while_two_ranks_are_open_and_enter_is_a_no_op_otherwise():
+    """plugin.pread skips the gate while `ranked` is False: with connections of one rank
+    open (or none), enter() must do nothing then, for every class."""
+    gate = ClassGate(quiet_s=10, wait_s=10)  # a wait would show: the quiet time is 10 s
+    assert gate.ranked is False
+    for io_class in (NONE, RT, BE, IDLE):
+        gate.opened(io_class)
+        gate.opened(io_class)
+        assert gate.ranked is False
+        started = time.monotonic()
+        assert gate.enter(io_class) is False
+        assert time.monotonic() - started < 1
+        gate.closed(io_class)
+        gate.closed(io_class)
+    gate.opened(NONE)
+    gate.opened(BE)  # none and be are one rank
+    assert gate.ranked is False
+    gate.opened(IDLE)
+    assert gate.ranked is True
+    gate.closed(BE)
+    assert gate.ranked is True  # none is still open beside idle
+    gate.closed(NONE)
+    assert gate.ranked is False
+    gate.opened(RT)
+    assert gate.ranked is True
+    gate.closed(IDLE)
+    gate.closed(RT)
+    assert gate.ranked is False
+
+
+def test_a_disabled_gate_is_never_ranked():
+    gate = ClassGate(enabled=False)
+    gate.opened(RT)
+    gate.opened(IDLE)
+    assert gate.ranked is False
