@@ -288,12 +288,12 @@ def pread(h, buf, offset, flags):
 def _ranked_read(h, buf, offset):
     """A request of a server with connections of two ranks open: it waits at the gate
     while a better class is busy, and is counted while a worse one watches it."""
-    if not _gate.enter(h.io_class):
-        return None if h.fast(buf, offset) else _read(h, buf, offset)
+    counted = _gate.enter(h.io_class)
     try:
         return None if h.fast(buf, offset) else _read(h, buf, offset)
     finally:
-        _gate.leave(h.io_class)
+        if counted:
+            _gate.leave(h.io_class)
 
 
 def _read(h, buf, offset):
