@@ -26,7 +26,7 @@ from ..sources.remote import is_uri, open_source
 from ..trust.root import TrustedRoot, resolve_root
 from . import fastpath, threadstate
 from .cache import HashBlockCache
-from .calibrate import Calibration, calibrate
+from .calibrate import Calibration, calibrate_apart
 from .config import ServerConfig, parse_size
 from .dispatch import Dispatcher
 from .gate import gate
@@ -118,13 +118,15 @@ class Device:
 
     def start_threads(self) -> None:
         """Start the pool and the control thread (in nbdkit's after_fork); measure the
-        `default` table first (calibrate.py), unless every class is set explicitly."""
-        self.dispatcher.start()
+        `default` table first (calibrate.py, in a forked child), unless every class is
+        set explicitly."""
         if self.shared is None and (self.config.threshold_preset == CALIBRATED
-                and len(self._explicit) < len(CLASSES)):
-            self.calibration = calibrate(self.verifier.digester, self.geo.data_block_size,
-                                         self.dispatcher.workers)
+                and len(self._explicit) < len(CLASSES)):  # before any thread of ours
+            self.calibration = calibrate_apart(self.verifier.digester,
+                                               self.geo.data_block_size,
+                                               self.dispatcher.workers)
             self.dispatcher.set_table(self.preset_table(CALIBRATED))
+        self.dispatcher.start()
         if self.control is not None:
             self.control.start()
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field, replace
 from ..control.table import CALIBRATED, CLASSES, class_index, preset, table_dict, updated_table
 from ..errors import ConfigError, VerityError
 from ..log import log
-from .calibrate import calibrate
+from .calibrate import calibrate_apart
 from .config import ServerConfig, config_from_pairs, parse_size
 from .device import Connection, Device, Hooks, Shared
 from .exportfile import export_files, read_export_file
@@ -120,8 +120,8 @@ class ExportSet:
         if (self.config.threshold_preset == CALIBRATED and exports
                 and len(self._explicit) < len(CLASSES)):
             device = exports[0].device
-            self.calibration = calibrate(device.verifier.digester,
-                                         device.geo.data_block_size, self.workers)
+            self.calibration = calibrate_apart(device.verifier.digester,
+                                               device.geo.data_block_size, self.workers)
             self.dispatcher.set_table(self.preset_table(CALIBRATED))
         if self.control is not None:
             self.control.start()

@@ -31,6 +31,9 @@ def test_the_default_table_is_calibrated_and_says_how(servers, image):
     assert len(values) == 1 and values == {calibration["threshold"]}, reply
     assert allowed(calibration["threshold"]), calibration
     assert calibration["outcome"] in ("crossover", "inline wins", "one worker", "over budget")
+    # measured in a child the server forked (two workers or more): not in the server
+    assert calibration["where"] == ("in process" if calibration["outcome"] == "one worker"
+                                    else "in a child"), calibration
     won = [row["pool_us"] <= 0.9 * row["inline_us"] for row in calibration["figures"]]
     if calibration["outcome"] == "crossover":  # two wins in a row, or one at 8 MiB: the end
         sizes = [row["size"] for row in calibration["figures"]]

@@ -1,12 +1,25 @@
-"""serve/calibrate.py in process: its choice follows its own measurements, one worker
-never calibrates, and the budget bounds it."""
+"""serve/calibrate.py: its choice follows its own measurements, one worker never
+calibrates, and the budget bounds it; the server's way (calibrate_apart) measures in a
+forked child and leaves the calling process as it was, or measures in process when the
+child does not answer in time."""
 
 from __future__ import annotations
+
+import os
+import threading
 
 from nbd_verity.control.table import FIXED
 from nbd_verity.format.digest import Digester
 from nbd_verity.limits import MAX_REQUEST_SIZE
-from nbd_verity.serve.calibrate import CONFIRM, POOL_WINS, SIZES, calibrate, describe
+from nbd_verity.serve import calibrate as calibrate_module
+from nbd_verity.serve.calibrate import (
+    CONFIRM,
+    POOL_WINS,
+    SIZES,
+    calibrate,
+    calibrate_apart,
+    describe,
+)
 
 
 def digester() -> Digester:
@@ -18,7 +31,10 @@ def wins(figures) -> list[bool]:
 
 
 def test_the_choice_follows_the_figures():
-    c = calibrate(digester(), 4096, 2)
+    check_choice(calibrate(digester(), 4096, 2))
+
+
+def check_choice(c) -> None:
     sizes = [s for s, _, _ in c.figures]
     assert sizes == list(SIZES[:len(sizes)])
     won = wins(c.figures)
@@ -49,3 +65,36 @@ def test_an_empty_budget_keeps_the_fixed_table():
 def test_format_0_and_small_blocks_calibrate_too():
     c = calibrate(Digester("sha256", b"salt", 0), 512, 2)
     assert c.outcome in ("crossover", "inline wins", "over budget")
+
+
+def tasks() -> set[str]:
+    return set(os.listdir("/proc/self/task"))
+
+
+def children() -> str:
+    with open(f"/proc/self/task/{os.getpid()}/children") as f:
+        return f.read().strip()
+
+
+def test_apart_measures_in_a_child_and_leaves_this_process_as_it_was():
+    before, threads = tasks(), threading.active_count()
+    c = calibrate_apart(digester(), 4096, 2)
+    assert c.where == "in a child" and c.as_dict()["where"] == "in a child"
+    check_choice(c)  # the same rules as in process: the child ran calibrate() itself
+    assert c.figures or c.outcome == "over budget"
+    # no thread of its pool here, before or after, and the child reaped
+    assert tasks() == before and threading.active_count() == threads
+    assert children() == ""
+
+
+def test_apart_with_one_worker_measures_nothing_anywhere():
+    c = calibrate_apart(digester(), 4096, 1)
+    assert (c.outcome, c.where, c.figures) == ("one worker", "in process", ())
+
+
+def test_a_child_that_does_not_answer_in_time_is_killed_and_measured_here(monkeypatch):
+    monkeypatch.setattr(calibrate_module, "CHILD_WAIT_S", 0.0)  # no time to answer
+    c = calibrate_apart(digester(), 4096, 2)
+    assert c.where == "in process"
+    check_choice(c)
+    assert children() == ""  # killed and reaped, not left behind
