@@ -6,6 +6,7 @@ child does not answer in time."""
 from __future__ import annotations
 
 import os
+import resource
 import threading
 
 from nbd_verity.control.table import FIXED
@@ -76,10 +77,16 @@ def children() -> str:
         return f.read().strip()
 
 
+def children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)  # reaped children only
+    return usage.ru_utime + usage.ru_stime
+
+
 def test_apart_measures_in_a_child_and_leaves_this_process_as_it_was():
-    before, threads = tasks(), threading.active_count()
+    before, threads, cpu = tasks(), threading.active_count(), children_cpu()
     c = calibrate_apart(digester(), 4096, 2)
     assert c.where == "in a child" and c.as_dict()["where"] == "in a child"
+    assert children_cpu() > cpu  # the hashing was a reaped child's CPU time, not ours
     check_choice(c)  # the same rules as in process: the child ran calibrate() itself
     assert c.figures or c.outcome == "over budget"
     # no thread of its pool here, before or after, and the child reaped
