@@ -192,7 +192,7 @@ def dispatch_line(stats: dict) -> str:
 
 
 def learned_lines(learned: dict) -> list[str]:
-    """Per class that took requests of 64 KiB or more (unpinned) and per load (how many
+    """Per class that took requests of 512 KiB or more (unpinned) and per load (how many
     clients sent them): what served each size best lately, in microseconds per MiB
     inline and on the pool, the pool's cost as a share of inline's within the trials
     (what decides), and the choice."""

@@ -15,7 +15,8 @@ whole: readers take no lock, read it once per request, and a change applies from
 request on; none in flight is disturbed.
 
 Under load the table alone is not right (docs/control.md, "Dispatch under load"). For a
-class whose threshold nobody set explicitly, a request of at least 64 KiB takes the path
+class whose threshold nobody set explicitly, a request of at least 512 KiB (two pool
+chunks: a smaller one gets nothing from the pool but its hand-off) takes the path
 of a rule per class, size and load (learn.py: the pool while there are fewer clients than
 workers, inline when every worker has one), unless its recent trials found the other
 clearly cheaper (runs of the chosen path, the other and the chosen again, of whole client

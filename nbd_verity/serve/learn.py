@@ -8,13 +8,19 @@ inline, minutes after one chose 256 KiB, while fio's 2 MiB reads from one client
 least LEARN_MIN bytes takes the path a rule gives it, unless trials of both paths find
 the other clearly cheaper:
 
-- Requests are grouped by class, size bucket (powers of two: 64 KiB up to 128 KiB, ...
+- Requests are grouped by class, size bucket (powers of two: 512 KiB up to 1 MiB, ...
   up to 32 MiB) and load: how many connections sent the last LOAD_LAST learned requests
   within LOAD_S, this one's included (LOADS: 1, 2, 3-4, 5-8, 9-16 clients). Each load
   learns apart, so a change of load takes what that load learned before at once
   (measured: one client's 2 MiB reads after four clients' stayed on the four clients'
   inline for up to 4000 of 6000 requests, at 0.87 of the pool's throughput, while the
   buckets were per size alone).
+- Only requests that span two pool chunks learn (LEARN_MIN, 512 KiB): a smaller one is one
+  task, which the pool verifies no faster than the connection's own thread, and its
+  trials start the pool's threads, which left the process slower for its life
+  (measured: 64 KiB random reads from eight clients, whose trials sent a few requests
+  to the pool, ran 0.944 of the baseline's throughput over 48 pairs; learning from
+  512 KiB, 1.000 over 24 pairs, and 1.048 times the 64 KiB learner's).
 - The rule (Learner.rule): the pool when it has idle workers (fewer
   clients than workers) and the request spans two of them, inline when every worker
   has a client; otherwise the table's path.
@@ -87,8 +93,8 @@ from collections import deque
 
 from ..control.table import CLASSES, INLINE, POOL
 
-LEARN_MIN = 64 << 10  # smaller requests follow the table (inline, where it was measured)
-BUCKETS = 10  # 64 KiB, 128 KiB, ... 32 MiB (MAX_REQUEST_SIZE)
+LEARN_MIN = 512 << 10  # two pool chunks (dispatch.POOL_CHUNK_SIZE); smaller ones follow the table
+BUCKETS = 7  # 512 KiB, 1 MiB, ... 32 MiB (MAX_REQUEST_SIZE)
 COUNT = 32  # a trial's samples of the other path (and of the chosen one, half before)
 WARM_S = 0.15  # a run's requests that start this soon after its first are not counted, ...
 SKIP = 2  # ... but at least this many of them

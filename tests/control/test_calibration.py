@@ -87,3 +87,25 @@ def test_explicit_thresholds_win_and_presets_are_not_calibrated(servers, image):
     assert reply["thresholds"] == {"none": 8192, "rt": 8192, "be": 8192, "idle": 0}
     every = servers.start(image, *[f"--threshold={c}=65536" for c in CLASSES])
     assert every.ask({"cmd": "thresholds"})["calibration"] is None  # nothing left to measure
+
+
+def test_requests_of_one_pool_chunk_are_not_learned_the_table_decides(servers, image):
+    """An unpinned class's reads of one pool chunk are left to the table, every one: the
+    learner takes no trial of them (a trial sends some to the other path, and trials
+    sending one-chunk reads to the pool left a process slower for its life), so they
+    all take the table's path and `learned` stays empty."""
+    server = servers.start(image)  # the default table: no class pinned
+    size = LEARN_MIN // 2  # one pool chunk
+    assert size == POOL_CHUNK_SIZE
+    path = "inline" if size <= server.thresholds()["be"] else "pool"
+    leaf = 512 * KIB  # data under one leaf hash block: straddling two, never the fast path
+    reads = 400  # past a trial's first run (at most SKIP_MAX + COUNT / 2 requests)
+    server.reset_stats()
+    with server.client("@be") as h:
+        for i in range(reads):
+            offset = leaf * (1 + i % 4) - size // 2
+            assert h.pread(size, offset) == image.expected(offset, size)
+    stats = server.stats()
+    be = stats["classes"]["be"]
+    assert be[path]["requests"] == reads and be[path]["bytes"] == reads * size, (path, be)
+    assert stats["learned"] == {}, stats["learned"]

@@ -28,7 +28,7 @@ def server(module_servers, image):
 def table_lines(stdout: str, pinned: tuple[str, ...] = ()) -> dict:
     """`ctl thresholds` prints one "CLASS VALUE" line per class, in class order, with
     "(pinned)" after the pinned ones, then how start-up calibrated the default table (and
-    what was learned, once requests of 64 KiB or more came: none here)."""
+    what was learned, once requests of 512 KiB or more came: none here)."""
     lines = stdout.strip().splitlines()
     rows = [line.split() for line in lines[:len(CLASSES)]]
     assert [r[0] for r in rows] == list(CLASSES), stdout
@@ -108,7 +108,7 @@ def test_stats_table_json_and_reset(server, image):
 
 
 def test_thresholds_and_stats_show_what_was_learned(servers, image):
-    """An unpinned class's requests of 64 KiB and more: after a trial of both paths, ctl
+    """An unpinned class's requests of 512 KiB and more: after a trial of both paths, ctl
     says per size what each path cost, the verdict and the choice."""
     server = servers.start(image)  # the default table: no class pinned
     size = 1024 * KIB  # over one leaf hash block's 512 KiB: never the fast path

@@ -14,8 +14,9 @@ import threading
 import time
 
 from nbd_verity.control.table import INLINE, POOL
-from nbd_verity.serve.dispatch import CYCLE_GAP_S, Dispatcher
+from nbd_verity.serve.dispatch import CYCLE_GAP_S, POOL_CHUNK_SIZE, Dispatcher
 from nbd_verity.serve.learn import (
+    BUCKETS,
     COUNT,
     EXPLORE,
     EXPLORE_FAR,
@@ -36,10 +37,11 @@ RUNS = (SKIP + COUNT // 2, SKIP + COUNT, SKIP + COUNT // 2)
 TRIAL = sum(RUNS)
 
 
-def test_buckets_are_powers_of_two_from_64k():
+def test_buckets_are_powers_of_two_from_two_pool_chunks():
+    assert LEARN_MIN == 2 * POOL_CHUNK_SIZE  # a smaller request is one pool task at most
     assert bucket(LEARN_MIN) == bucket(2 * LEARN_MIN - 1) == 0
     assert bucket(2 * LEARN_MIN) == 1
-    assert bucket(2 * MIB) == 5 and bucket(32 * MIB) == 9
+    assert bucket(2 * MIB) == 2 and bucket(32 * MIB) == BUCKETS - 1 == 6
 
 
 def feed(learner: Learner, length: int, costs: dict, requests: int,
@@ -207,7 +209,7 @@ def test_classes_and_sizes_learn_apart():
     learner = Learner(warm_s=0)
     feed(learner, 2 * MIB, {INLINE: 0.0010, POOL: 0.0005}, TRIAL + 8)
     assert learner.choose(IDLE, 2 * MIB, INLINE) == INLINE  # idle: its first, the table's
-    assert learner.choose(BE, 128 << 10, INLINE) == INLINE  # another size: its first
+    assert learner.choose(BE, LEARN_MIN, INLINE) == INLINE  # another size: its first
     assert set(learner.snapshot()) == {"be", "idle"}
 
 
@@ -255,11 +257,32 @@ def test_pinned_classes_and_small_requests_follow_the_table_alone():
         buf = memoryview(bytearray(2 * MIB))
         for _ in range(20):
             d.read(buf, 0, BE)  # pinned: over its threshold, the pool every time
-            d.read(buf[:LEARN_MIN - 4096], 0, IDLE)  # small: inline, as the table says
+            d.read(buf[:64 << 10], 0, IDLE)  # small: inline, as the table (256 KiB) says
+            d.read(buf[:LEARN_MIN - 4096], 0, IDLE)  # under LEARN_MIN: the table's pool
         snap = d.stats.snapshot()
         assert snap["be"]["pool"]["requests"] == 20 and snap["be"]["inline"]["requests"] == 0
         assert snap["idle"]["inline"]["requests"] == 20
+        assert snap["idle"]["pool"]["requests"] == 20
         assert d.learner.snapshot() == {}
+    finally:
+        d.stop()
+
+
+def test_one_chunk_requests_the_table_verifies_inline_never_start_the_pool():
+    """An unpinned class's requests of one pool chunk, under the table's threshold, are
+    verified inline, every one: no trial sends them to the pool, whose threads never
+    start (a process that ran its pool served such reads slower for its life)."""
+    seen: list[int] = []
+    d = Dispatcher(lambda view, offset: seen.append(len(view)), 4096,
+                   (POOL_CHUNK_SIZE,) * 4, workers=2)
+    d.learner.warm_s = 0
+    try:
+        buf = memoryview(bytearray(POOL_CHUNK_SIZE))
+        for _ in range(TRIAL + 8):
+            d.read(buf, 0, BE, [0.0, 0.0, 0, None, 0])
+        snap = d.stats.snapshot()["be"]
+        assert (snap["inline"]["requests"], snap["pool"]["requests"]) == (TRIAL + 8, 0), snap
+        assert d._pool is None and d.learner.snapshot() == {}
     finally:
         d.stop()
 
