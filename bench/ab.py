@@ -9,8 +9,10 @@ it prints. A checkout's extensions must be built in place (`python setup.py buil
 --inplace` there). The same checkout as A and B is the control: 1.00 with quartiles
 about 0.95-1.04 for 16 pairs of 64 KiB random x8 on a 2-core machine.
 
-    python bench/ab.py DIR_A DIR_B [PAIRS [BS_KIB [JOBS [RW [RUNTIME]]]]]
-        (default 16 pairs, 64 KiB, 8 jobs, randread, 1 s)
+    python bench/ab.py DIR_A DIR_B [PAIRS [BS_KIB [JOBS [RW [RUNTIME [TABLE]]]]]]
+        (default 16 pairs, 64 KiB, 8 jobs, randread, 1 s, TABLE default; `pool` or
+        `inline` pins every class's threshold on both servers; `TABLE_A,TABLE_B` gives
+        each its own)
 """
 
 from __future__ import annotations
@@ -39,14 +41,18 @@ def main(argv: list[str]) -> int:
     jobs = int(argv[5]) if len(argv) > 5 else 8
     rw = argv[6] if len(argv) > 6 else "randread"
     runtime = float(argv[7]) if len(argv) > 7 else 1.0
+    table = argv[8] if len(argv) > 8 else "default"
+    tables = {"default": [], "pool": servers.pool_options(), "inline": servers.inline_options()}
+    a_table, _, b_table = table.partition(",")
+    options = {"A": tables[a_table], "B": tables[b_table or a_table]}
     image = images.random_image(SIZE)
     images.warm(image.data)
     images.warm(image.hash)
     job = fiorun.Job(rw, bs, numjobs=jobs, runtime=runtime)
     ratios, rates = [], {"A": [], "B": []}
     for i in range(pairs):
-        pair = {"A": servers.checkout_server("A", image, a_dir),
-                "B": servers.checkout_server("B", image, b_dir)}
+        pair = {"A": servers.checkout_server("A", image, a_dir, options["A"]),
+                "B": servers.checkout_server("B", image, b_dir, options["B"])}
         try:
             for started in pair.values():
                 started.start(timeout=120)
@@ -62,7 +68,7 @@ def main(argv: list[str]) -> int:
         rates["B"].append(b)
         ratios.append(b / a)
     low, _, high = statistics.quantiles(ratios, n=4) if pairs > 1 else (ratios[0],) * 3
-    print(f"{job.label()}: B/A {statistics.median(ratios):.3f} (quartiles {low:.3f}-"
+    print(f"{job.label()}, table {table}: B/A {statistics.median(ratios):.3f} (quartiles {low:.3f}-"
           f"{high:.3f}) over {pairs} pairs; MB/s A {statistics.median(rates['A']):.0f}, "
           f"B {statistics.median(rates['B']):.0f}")
     return 0

@@ -120,10 +120,10 @@ def verity_server(name: str, image, options: list[str], threads: int | None = No
                   threads)
 
 
-def checkout_server(name: str, image, checkout: Path) -> Server:
+def checkout_server(name: str, image, checkout: Path, options: list[str] = ()) -> Server:
     """nbd-verity serve of another checkout (its package first on the path; its extensions
     built in place there): a baseline to compare with."""
-    server = verity_server(name, image, [])
+    server = verity_server(name, image, list(options))
     server.env = {**server.env, "PYTHONPATH": str(checkout)}
     return server
 

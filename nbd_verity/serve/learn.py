@@ -47,16 +47,21 @@ the other clearly cheaper:
   trial verdicts 0.66-1.13 and one 1.68 while pinned all pool served them 13-29% faster
   than all inline; with the line at 1, two of three phases of those reads ended inline,
   at 0.77-0.89 of the best table). A
-  bucket starts with a trial (the rule's path as the chosen one), and one starts every
-  EXPLORE
-  requests after, or every EXPLORE_FAR when the worse path cost over FAR times the
-  other. While trials are that far apart, the chosen path's last WINDOW requests are
-  watched: when their median costs over FAR times or under 1 / FAR times what the path
-  did in the trials, the load changed, and the next trial comes EXPLORE requests after
-  the last one (measured: four clients' 2 MiB reads rated the pool 1.5 times inline's
-  cost, at 2000 us per MiB inline; then one client's ran inline at 880, and the pool's
-  were 10-25% cheaper), so a change of load moves the choice within a few thousand
-  requests.
+  bucket starts with a trial (the rule's path as the chosen one), and the next starts
+  EXPLORE requests after, twice as many after each trial in a row that kept the path
+  chosen before it (4096, 8192), up to EXPLORE_FAR, and EXPLORE_FAR at once when the
+  worse path cost over FAR times the other: each trial serves a few hundred requests on
+  the path not chosen and on the chosen one coming back (measured with bench/ab.py, one
+  client's 2 MiB reads, 6 s per server process, 16 pairs: the default ran 0.964 of the
+  same server pinned to the pool with its one trial, 0.987 with none; over 20 s per
+  process, 8 pairs, the doubling against trials every 2048: 0.999, quartiles
+  0.990-1.016, a gain too small to see there). While trials are more than EXPLORE apart,
+  the chosen path's last WINDOW requests are watched: when their median costs over FAR
+  times or under 1 / FAR times what the path did in the trials, the load changed, and
+  the next trial comes EXPLORE requests after the last one, the doubling starting again
+  (measured: four clients' 2 MiB reads rated the pool 1.5 times inline's cost, at 2000
+  us per MiB inline; then one client's ran inline at 880, and the pool's were 10-25%
+  cheaper), so a change of load moves the choice within a few thousand requests.
 - Why trials, not the cost of each path's latest requests: the machine's speed drifts
   from second to second (CPU steal from other guests comes in bursts of seconds: one
   second of one client's 2 MiB reads ran 316 MB/s, the next 1230 on the same path),
@@ -100,8 +105,9 @@ WARM_S = 0.15  # a run's requests that start this soon after its first are not c
 SKIP = 2  # ... but at least this many of them
 SKIP_MAX = 128  # ... and at most this many (small requests: 50 ms would be thousands)
 RUN_MAX = 4 * COUNT + SKIP_MAX  # a run handed this many out without its samples: given up
-EXPLORE = 2048  # a trial starts every this-many requests of a bucket
-EXPLORE_FAR = 8192  # ... or this many, when the worse path cost over FAR times as much
+EXPLORE = 2048  # a trial starts this many requests of a bucket after the last one, ...
+EXPLORE_FAR = 8192  # ... twice as many after each trial that kept the choice, up to this
+                    # many, and this many at once when the worse path cost over FAR times
 FAR = 1.5
 TRIALS = 3  # the verdict: the median of the last this-many trials' ratios
 TRIM = 0.125  # a run's cost: the mean of its samples but this share of the costliest
@@ -148,9 +154,9 @@ def _median(samples: list[float]) -> float | None:
 class _Row:
     """One class's bucket."""
 
-    __slots__ = ("choice", "costs", "counted", "early", "handed", "next_trial", "path",
-                 "ratio", "requests", "rule", "run_start", "samples", "seen", "stage", "steady",
-                 "trial_start", "trials", "tried")
+    __slots__ = ("agreed", "choice", "costs", "counted", "early", "handed", "next_trial",
+                 "path", "ratio", "requests", "rule", "run_start", "samples", "seen", "stage",
+                 "steady", "trial_start", "trials", "tried")
 
     def __init__(self) -> None:
         self.choice: str | None = None  # None: before its first trial
@@ -169,7 +175,9 @@ class _Row:
         self.ratio: float | None = None  # the verdict: pool's cost / inline's
         self.trials: deque = deque(maxlen=TRIALS)  # the last ones' {path: cost}
         self.tried = 0  # trials started
-        self.early = 0  # of which sooner than EXPLORE_FAR (the chosen path's cost moved)
+        self.early = 0  # of which sooner than planned (the chosen path's cost moved)
+        self.agreed = 0  # trials in a row that kept the path chosen before them (-1:
+                         # the load changed since the last, the next one does not count)
         self.steady: deque = deque(maxlen=WINDOW)  # the choice's, since the last trial
 
 
@@ -235,10 +243,12 @@ class Learner:
 
     @staticmethod
     def _every(row: _Row) -> int:
+        """Requests from one trial's start to the next one's."""
         if row.ratio is None:
             return EXPLORE
-        far = max(row.ratio, 1 / max(row.ratio, 1e-12)) > FAR
-        return EXPLORE_FAR if far else EXPLORE
+        if max(row.ratio, 1 / max(row.ratio, 1e-12)) > FAR:
+            return EXPLORE_FAR
+        return min(EXPLORE_FAR, EXPLORE << max(0, row.agreed))
 
     @staticmethod
     def _decide(row: _Row) -> None:
@@ -250,8 +260,10 @@ class Learner:
         ratios = sorted(_ratio(t) for t in recent)
         row.ratio = ratios[len(ratios) // 2]  # of two, the newer's: a change shows at once
         row.costs = {p: sorted(t[p] for t in recent)[len(recent) // 2] for p in (INLINE, POOL)}
+        before = row.choice
         row.choice = (INLINE if row.ratio > MARGIN else POOL if row.ratio < 1 / MARGIN
                       else row.rule)
+        row.agreed = row.agreed + 1 if row.choice == before else 0
         row.next_trial = row.trial_start + Learner._every(row)
 
     def record(self, io_class: int, length: int, path: str, seconds: float,
@@ -268,6 +280,7 @@ class Learner:
                 if cost is not None and not mine / FAR <= cost <= FAR * mine:
                     row.steady.clear()
                     sooner = max(row.trial_start + EXPLORE, row.requests)
+                    row.agreed = -1  # the load changed: trials EXPLORE apart again
                     if sooner < row.next_trial:
                         row.next_trial = sooner
                         row.early += 1

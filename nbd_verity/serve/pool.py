@@ -12,7 +12,10 @@ idle chunk must come back for the next rt one; without the privilege the workers
 at the server's own priority and only the queue order ranks the classes.
 
 The lock guards the queues, the busy count and the stop flag; it is never held while a
-chunk is verified.
+chunk is verified. demand() counts under a lock of its own and reads the idle workers
+unlocked (a hint): a request that took the workers' lock to ask waited behind them
+(measured in process, one client's 2 MiB requests of no-op chunks: 7-10 µs more per
+request than the same requests not asking, 5 µs with the lock of its own).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ class ClassPool:
         self._threads: list[threading.Thread] = []
         self._busy = 0
         self._demand = 0  # pool-sized requests being served now (demand())
+        self._demand_lock = threading.Lock()  # ... counted under this lock
         self._stopping = False
         self._prioritise: bool | None = None  # may workers change class (probed once)
 
@@ -64,14 +68,13 @@ class ClassPool:
         """Count a pool-sized request for as long as it is served (either path), server
         wide; yields whether it should take the pool: only while such requests are at
         most half the workers (each then still gets two cores) and a worker is free."""
-        with self._cond:
+        with self._demand_lock:  # not the workers' lock: they hold it at every chunk
             self._demand += 1
-            worth = (self._demand <= max(1, self.workers // 2)
-                     and self.workers - self._busy - sum(len(q) for q in self._queues) > 0)
+            demand = self._demand
         try:
-            yield worth
+            yield demand <= max(1, self.workers // 2) and self.idle_workers() > 0
         finally:
-            with self._cond:
+            with self._demand_lock:
                 self._demand -= 1
 
     def _start(self) -> None:

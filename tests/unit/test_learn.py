@@ -1,7 +1,8 @@
 """The learned inline-or-pool choice (serve/learn.py): a trial first (runs of the table's
-path, the other, the table's again), then the cheaper one by the pool/inline ratio, with a
-trial every EXPLORE-th request (EXPLORE_FAR-th when one path is far worse, sooner when
-the chosen path's own requests come to cost more than the other did); a run's first
+path, the other, the table's again), then the cheaper one by the pool/inline ratio, with
+the next trial EXPLORE requests later, twice as far after each that kept the choice (up to
+EXPLORE_FAR; EXPLORE_FAR at once when one path is far worse; EXPLORE again when the
+chosen path's own requests come to cost more than the other did); a run's first
 requests not counted (its first WARM_S after a change of path); one disturbed request
 does not move it; a request's cost is its client's whole cycle, and a pool request
 verified inline because no worker was free is a sample of the pool; pinned classes and
@@ -55,21 +56,59 @@ def feed(learner: Learner, length: int, costs: dict, requests: int,
     return chosen
 
 
+def trial_starts(chosen: list[str], path: str) -> list[int]:
+    """Where the trials after the first (which runs the rule's path first) started, path
+    chosen before each: a run of the other amid path's."""
+    other = POOL if path == INLINE else INLINE
+    return [i - RUNS[0] for i in range(TRIAL + 1, len(chosen))
+            if chosen[i] == other and chosen[i - 1] == path]
+
+
 def test_table_first_then_the_other_then_the_table_then_the_cheaper():
     learner = Learner(warm_s=0)
     chosen = feed(learner, 2 * MIB, {INLINE: 0.0010, POOL: 0.0008}, TRIAL + 4 * EXPLORE)
     first, other, again = RUNS
     assert chosen[:TRIAL] == [INLINE] * first + [POOL] * other + [INLINE] * again
     rest = chosen[TRIAL:]
-    assert rest.count(INLINE) == 4 * other, rest  # a trial every EXPLORE
     at = EXPLORE - TRIAL  # the next trial: now the pool is the chosen path
     assert rest[at:at + TRIAL] == [POOL] * first + [INLINE] * other + [POOL] * again
+    assert trial_starts(chosen, POOL) == [EXPLORE, 3 * EXPLORE]  # then twice as far
     snap = learner.snapshot()["be"]["loads"]["1"]
     assert snap["pool_from"] == 2 * MIB
     row = snap["buckets"][str(2 * MIB)]
     assert row["choice"] == POOL and row["requests"] == TRIAL + 4 * EXPLORE
     assert row["pool_us_per_mib"] < row["inline_us_per_mib"]
-    assert abs(row["pool_to_inline"] - 0.8) < 1e-6 and row["trials"] == 5
+    assert abs(row["pool_to_inline"] - 0.8) < 1e-6 and row["trials"] == 3
+
+
+def test_trials_come_twice_as_far_apart_while_they_keep_the_choice():
+    """The first trial moved the choice to the pool: the next comes EXPLORE after it;
+    each that keeps the pool puts the next twice as far, up to EXPLORE_FAR."""
+    learner = Learner(warm_s=0)
+    chosen = feed(learner, 2 * MIB, {INLINE: 0.0010, POOL: 0.0008}, 16 * EXPLORE)
+    assert EXPLORE_FAR == 4 * EXPLORE
+    assert trial_starts(chosen, POOL) == [EXPLORE, 3 * EXPLORE, 7 * EXPLORE, 11 * EXPLORE,
+                                          15 * EXPLORE]
+    row = learner.snapshot()["be"]["loads"]["1"]["buckets"][str(2 * MIB)]
+    assert row["trials"] == 6 and row["early_trials"] == 0
+
+
+def test_a_change_of_load_brings_trials_explore_apart_again():
+    """Trials 2 x EXPLORE apart: the pool's own requests come to cost 1.6 times what they
+    did, so the next trial comes EXPLORE after the last, and the ones after it EXPLORE
+    apart: the second moves the choice to inline (the median of the last three)."""
+    learner = Learner(warm_s=0)
+    feed(learner, 2 * MIB, {INLINE: 0.0010, POOL: 0.0008}, EXPLORE + TRIAL)  # kept: 2x
+    chosen = feed(learner, 2 * MIB, {INLINE: 0.0010, POOL: 0.0013}, 4 * EXPLORE)
+    first, other, again = RUNS
+    at = [n * EXPLORE - (EXPLORE + TRIAL) for n in (2, 3, 4)]  # in chosen
+    assert set(chosen[:at[0]]) == {POOL}
+    for start in at[:2]:
+        assert chosen[start:start + TRIAL] == [POOL] * first + [INLINE] * other + [POOL] * again
+    assert set(chosen[at[1] + TRIAL:at[2]]) == {INLINE}
+    assert chosen[at[2]:at[2] + TRIAL] == [INLINE] * first + [POOL] * other + [INLINE] * again
+    row = learner.snapshot()["be"]["loads"]["1"]["buckets"][str(2 * MIB)]
+    assert row["choice"] == INLINE and row["early_trials"] == 1
 
 
 def test_a_far_worse_path_is_tried_less_often():
