@@ -60,7 +60,9 @@ _failed_lock = threading.Lock()
 _keep = threadstate.keep
 _set_nice = priority.setter()  # None: class priority off
 _CLASS_NICE = priority.CLASS_NICE
+_ALONE_NICE = priority.ALONE_NICE
 _gate = gate.gate
+priority.follow(_gate)  # the pool's workers pick their nice values as pread does
 
 
 def _one_line(exc, value=None, tb=None, **kwargs):
@@ -270,9 +272,10 @@ def pread(h, buf, offset, flags):
     only while connections of two ranks are open (one attribute read otherwise)."""
     _keep()  # from the second request of a thread on: no new Python thread state
     if _set_nice is not None:  # this thread at its connection's class (serve/priority.py)
-        refused = _set_nice(_CLASS_NICE[h.io_class])
+        nice = (_CLASS_NICE if _gate.ranked else _ALONE_NICE)[h.io_class]
+        refused = _set_nice(nice)
         if refused is not None:
-            priority.refusal(h.io_class, refused)
+            priority.refusal(h.io_class, refused, nice)
     if _gate.ranked:  # the gate may make it wait, or count it (serve/gate.py)
         problem = _ranked_read(h, buf, offset)
     elif h.fast(buf, offset):  # the common request, in one frame more (serve/fastpath.py)

@@ -1,6 +1,7 @@
 """Classes rank the CPU: the nbdkit threads that verify a connection's requests run at
-its class's nice value (rt -10, be 0, idle 19), read from /proc/PID/task/TID/stat; bytes
-do not depend on it. Classes rank whole requests (serve/gate.py): an idle request waits
+its class's nice value (rt -10, be 0, idle 19; idle only while a connection of another
+rank is open, the server's own alone), read from /proc/PID/task/TID/stat; bytes do not
+depend on it. Classes rank whole requests (serve/gate.py): an idle request waits
 while a be client is busy, at most the stated bound, and not at all alone."""
 
 from __future__ import annotations
@@ -39,8 +40,9 @@ def connect(server, name: str):
     return h
 
 
-@pytest.mark.parametrize("name, nice", [("@rt", -10), ("@idle", 19), ("@be", 0)])
+@pytest.mark.parametrize("name, nice", [("@rt", -10), ("@idle", 0), ("@be", 0)])
 def test_a_connections_threads_run_at_its_class(default_image, servers, name, nice):
+    """Alone: rt at -10, be at 0, and idle at 0 too, as nothing else wants the server."""
     server = servers.start(default_image)
     before = thread_nices(server.pid)
     h = connect(server, name)
@@ -60,16 +62,25 @@ def test_a_connections_threads_run_at_its_class(default_image, servers, name, ni
 
 def test_the_class_follows_the_connection(default_image, servers):
     """One server: an rt client's threads at -10 and, beside it, an idle client's at 19;
-    when the rt client leaves its threads go with it."""
+    when the rt client leaves its threads go with it, and the idle client's next
+    requests run at the server's own nice again."""
     server = servers.start(default_image)
     rt, idle = connect(server, "@rt"), connect(server, "@idle")
     for h in (rt, idle):
         h.pread(4096, 0)
+    for offset in range(0, 1 << 20, 4096):  # every idle thread, the rt client open
+        idle.pread(4096, offset)
     nices = set(thread_nices(server.pid).values())
     assert {-10, 19} <= nices, nices
     rt.shutdown()
     wait_for(lambda: -10 not in thread_nices(server.pid).values(), "rt threads gone")
-    assert 19 in thread_nices(server.pid).values()
+    before = thread_nices(server.pid)
+    assert 19 in before.values()  # not before their next request
+    for offset in range(0, 1 << 20, 4096):
+        assert idle.pread(4096, offset) == default_image.expected(offset, 4096)
+    after = thread_nices(server.pid)
+    changed = {tid: n for tid, n in after.items() if before.get(tid, n) != n}
+    assert changed and set(changed.values()) == {0}, (before, after)  # 19 -> 0 only
 
 
 def be_load(server, clients: int, stop: threading.Event, errors: list) -> list:

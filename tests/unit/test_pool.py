@@ -9,6 +9,7 @@ import time
 
 from nbd_verity.control.table import CLASSES
 from nbd_verity.serve import priority
+from nbd_verity.serve.gate import ClassGate
 from nbd_verity.serve.pool import AGE_S, ClassPool
 
 NONE, RT, BE, IDLE = range(4)
@@ -90,6 +91,29 @@ def test_workers_take_each_chunks_class_priority():
         assert [pool.submit(c, nice).result(10) for c in (IDLE, RT, BE, NONE)] == \
             [19, -10, 0, 0]
     finally:
+        pool.shutdown()
+
+
+def test_workers_lower_idle_only_while_the_followed_gate_has_another_rank_open():
+    """A server's pool follows its class gate: an idle chunk runs at nice 0 while only
+    idle connections are open, at 19 while a be one is open too, at 0 again after."""
+    gate = ClassGate()
+    pool = ClassPool(1)
+
+    def nice():
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    priority.follow(gate)
+    try:
+        gate.opened(IDLE)
+        alone = pool.submit(IDLE, nice).result(10)
+        gate.opened(BE)
+        beside = pool.submit(IDLE, nice).result(10)
+        gate.closed(BE)
+        after = pool.submit(IDLE, nice).result(10)
+        assert (alone, beside, after) == (0, 19, 0)
+        assert pool.submit(RT, nice).result(10) == -10  # rt alone: raised all the same
+    finally:
+        priority.follow(None)
         pool.shutdown()
 
 
