@@ -271,12 +271,13 @@ def pread(h, buf, offset, flags):
     thread's nice is one C call (a compare when it is set), and the class gate is asked
     only while connections of two ranks are open (one attribute read otherwise)."""
     _keep()  # from the second request of a thread on: no new Python thread state
+    ranked = _gate.ranked  # read once: the nice value and the gate agree on it
     if _set_nice is not None:  # this thread at its connection's class (serve/priority.py)
-        nice = (_CLASS_NICE if _gate.ranked else _ALONE_NICE)[h.io_class]
+        nice = (_CLASS_NICE if ranked else _ALONE_NICE)[h.io_class]
         refused = _set_nice(nice)
         if refused is not None:
             priority.refusal(h.io_class, refused, nice)
-    if _gate.ranked:  # the gate may make it wait, or count it (serve/gate.py)
+    if ranked:  # the gate may make it wait, or count it (serve/gate.py)
         problem = _ranked_read(h, buf, offset)
     elif h.fast(buf, offset):  # the common request, in one frame more (serve/fastpath.py)
         return
