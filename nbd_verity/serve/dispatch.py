@@ -20,7 +20,7 @@ chunks: a smaller one gets nothing from the pool but its hand-off) takes the pat
 of a rule per class, size and load (learn.py: the pool while there are fewer clients than
 workers, inline when every worker has one), unless its recent trials found the other
 clearly cheaper (runs of the chosen path, the other and the chosen again, of whole client
-cycles, each path's first 150 ms after a change not counted, the verdict the pool/inline
+cycles, the pool's first 150 ms after inline's not counted, the verdict the pool/inline
 ratio), and one that should take the pool
 goes there only while such requests are at most half the workers and a worker is free
 (pool.demand); otherwise it is verified inline, in its own nbdkit thread, instead of

@@ -30,14 +30,18 @@ the other clearly cheaper:
 - A trial is three runs: the chosen path, the other, the chosen again, each until it
   has COUNT / 2, COUNT and COUNT / 2 samples counted, so that the chosen path's samples
   come from before and after the other's, and a steady drift of the machine's speed
-  within the trial falls on both alike. A run does not count the requests that started
-  in its first WARM_S (at least its first SKIP, at most its first SKIP_MAX): a path
-  taken after the other runs unlike itself for a while (measured on this 2-core VM,
-  one client's 2 MiB reads, libnbd: the pool's in the first 50 ms after 300 inline ones
-  took 1.82-1.87 ms each, later ones 1.48-1.53; inline's in the first 50 ms after the
-  pool's 1.52-1.56 ms, later 1.58-1.66; the CPUs that had gone idle or busy adapt. With
-  fio's client, trials that skipped 50-80 ms rated the pool 1.02-1.14 times inline's
-  cost while the pool served the same reads 27% faster; skipping 150 ms, 0.57-0.68).
+  within the trial falls on both alike. A run does not count its first SKIP requests,
+  and the pool's runs after inline's not those that started in their first WARM_S (at
+  most their first SKIP_MAX): the pool taken after inline runs slower for a while
+  (measured on this 2-core VM, one client's 2 MiB reads, libnbd: the pool's in the
+  first 50 ms after 300 inline ones took 1.82-1.87 ms each, later ones 1.48-1.53; its
+  workers' CPUs had gone idle. With fio's client, trials that skipped 50-80 ms rated the
+  pool 1.02-1.14 times inline's cost while the pool served the same reads 27% faster;
+  skipping 150 ms, 0.57-0.68). Inline's run is no slower at first (its first 50 ms
+  after the pool's 1.52-1.56 ms each, later 1.58-1.66), and its WARM_S more on the path
+  not chosen were most of what a trial cost: with them not skipped, one client's 2 MiB
+  reads ran 0.981 of the same server pinned to the pool, 0.972 with them skipped (the
+  median of 8 rounds of fresh processes, 8 s of reads each).
   A path's cost in a trial is the mean of its samples but the costliest TRIM share
   (throughput is paid by the mean; the trim keeps a preempted request out), and the
   trial's verdict the ratio of the pool's cost to inline's. The verdict is the median of
@@ -47,21 +51,27 @@ the other clearly cheaper:
   trial verdicts 0.66-1.13 and one 1.68 while pinned all pool served them 13-29% faster
   than all inline; with the line at 1, two of three phases of those reads ended inline,
   at 0.77-0.89 of the best table). A
-  bucket starts with a trial (the rule's path as the chosen one), and the next starts
-  EXPLORE requests after, twice as many after each trial in a row that kept the path
-  chosen before it (4096, 8192), up to EXPLORE_FAR, and EXPLORE_FAR at once when the
-  worse path cost over FAR times the other: each trial serves a few hundred requests on
-  the path not chosen and on the chosen one coming back (measured with bench/ab.py, one
-  client's 2 MiB reads, 6 s per server process, 16 pairs: the default ran 0.964 of the
-  same server pinned to the pool with its one trial, 0.987 with none; over 20 s per
-  process, 8 pairs, the doubling against trials every 2048: 0.999, quartiles
-  0.990-1.016, a gain too small to see there). While trials are more than EXPLORE apart,
-  the chosen path's last WINDOW requests are watched: when their median costs over FAR
-  times or under 1 / FAR times what the path did in the trials, the load changed, and
-  the next trial comes EXPLORE requests after the last one, the doubling starting again
-  (measured: four clients' 2 MiB reads rated the pool 1.5 times inline's cost, at 2000
-  us per MiB inline; then one client's ran inline at 880, and the pool's were 10-25%
-  cheaper), so a change of load moves the choice within a few thousand requests.
+  bucket takes the rule's path from its first request, and its first trial (the rule's
+  path as the chosen one) EXPLORE requests in; the next starts EXPLORE requests after
+  it, twice as many after each trial in a row that kept the path chosen before it (4096,
+  8192), up to EXPLORE_FAR, and EXPLORE_FAR at once when the last two trials both found
+  the same path over FAR times the other's cost (one alone may have been disturbed: a
+  trial that rated the pool 1.8 times inline's cost kept one client's 2 MiB reads inline,
+  at 0.8 of the pool's rate, for the rest of an 8 s run). Each trial serves a hundred
+  requests or more on the path not chosen and on the chosen one coming back (measured,
+  one client's 2 MiB reads, 8 rounds of fresh processes, 8 s of reads each, against the
+  same server pinned to the pool: a first trial at once and early ones 0.958 and 0.974
+  in two probes, the first EXPLORE in 0.972 and 0.978, no trials 0.987 and 0.996).
+  While trials are more than EXPLORE apart, the chosen path's last WINDOW requests are
+  watched: when their median costs over FAR times or under 1 / FAR times what the path
+  did in the trials, and still does WATCH_S later, the load changed, and the next trial
+  comes EXPLORE requests after the last one, the doubling starting again (measured: four
+  clients' 2 MiB reads rated the pool 1.5 times inline's cost, at 2000 us per MiB
+  inline; then one client's ran inline at 880, and the pool's were 10-25% cheaper), so
+  a change of load moves the choice within a few thousand requests. A shorter burst is
+  not a change of load (measured: in 8 s of one client's 2 MiB reads the watch of the
+  median alone brought an early trial in nearly every process, on bursts of requests at
+  3 to 4 times their cost, CPU steal or a neighbour; held for a second, none in four).
 - Why trials, not the cost of each path's latest requests: the machine's speed drifts
   from second to second (CPU steal from other guests comes in bursts of seconds: one
   second of one client's 2 MiB reads ran 316 MB/s, the next 1230 on the same path),
@@ -101,7 +111,7 @@ from ..control.table import CLASSES, INLINE, POOL
 LEARN_MIN = 512 << 10  # two pool chunks (dispatch.POOL_CHUNK_SIZE); smaller ones follow the table
 BUCKETS = 7  # 512 KiB, 1 MiB, ... 32 MiB (MAX_REQUEST_SIZE)
 COUNT = 32  # a trial's samples of the other path (and of the chosen one, half before)
-WARM_S = 0.15  # a run's requests that start this soon after its first are not counted, ...
+WARM_S = 0.15  # a pool run's requests that start this soon after its first: not counted, ...
 SKIP = 2  # ... but at least this many of them
 SKIP_MAX = 128  # ... and at most this many (small requests: 50 ms would be thousands)
 RUN_MAX = 4 * COUNT + SKIP_MAX  # a run handed this many out without its samples: given up
@@ -111,6 +121,7 @@ EXPLORE_FAR = 8192  # ... twice as many after each trial that kept the choice, u
 FAR = 1.5
 TRIALS = 3  # the verdict: the median of the last this-many trials' ratios
 TRIM = 0.125  # a run's cost: the mean of its samples but this share of the costliest
+WATCH_S = 1.0  # ... and when their median stayed out of line this long, a trial sooner
 WINDOW = 8  # trials EXPLORE_FAR apart: the chosen path's latest requests watched
 LOAD_LAST = 16  # a request's load: the connections among the last this-many learned requests
 LOAD_S = 0.25  # ... that started within this many seconds before it
@@ -144,6 +155,11 @@ def _ratio(trial: dict) -> float:
     return trial[POOL] / max(trial[INLINE], 1e-12)
 
 
+def _far(ratio: float) -> bool:
+    """Whether a ratio finds one path over FAR times the other's cost."""
+    return max(ratio, 1 / max(ratio, 1e-12)) > FAR
+
+
 def _median(samples: list[float]) -> float | None:
     """The lower middle one; None for no samples."""
     if not samples:
@@ -155,15 +171,15 @@ class _Row:
     """One class's bucket."""
 
     __slots__ = ("agreed", "choice", "costs", "counted", "early", "handed", "next_trial",
-                 "path", "ratio", "requests", "rule", "run_start", "samples", "seen", "stage",
-                 "steady", "trial_start", "trials", "tried")
+                 "off_since", "path", "ratio", "requests", "rule", "run_start", "samples",
+                 "seen", "stage", "steady", "trial_start", "trials", "tried")
 
-    def __init__(self) -> None:
-        self.choice: str | None = None  # None: before its first trial
+    def __init__(self, first: int) -> None:
+        self.choice: str | None = None  # None: before its first request
         self.rule: str | None = None  # Learner.rule's path for it
         self.requests = 0
         self.trial_start = 0  # the request count at which the last trial started
-        self.next_trial = 0  # ... and the next one starts
+        self.next_trial = first  # ... and the next one starts
         self.stage = -1  # the trial's run (0, 1, 2: _RUNS); -1: no trial under way
         self.path = INLINE  # the run's path
         self.run_start: float | None = None  # when the run's first request was handed out
@@ -179,16 +195,21 @@ class _Row:
         self.agreed = 0  # trials in a row that kept the path chosen before them (-1:
                          # the load changed since the last, the next one does not count)
         self.steady: deque = deque(maxlen=WINDOW)  # the choice's, since the last trial
+        self.off_since: float | None = None  # since when their median is out of line
 
 
 class Learner:
-    """Per (class, load, bucket): the choice, and the trial under way. warm_s: WARM_S
-    (the tests' synthetic samples take none)."""
+    """Per (class, load, bucket): the choice, and the trial under way. warm_s: WARM_S,
+    first: the requests before a bucket's first trial (EXPLORE), watch_s: WATCH_S (the
+    tests' synthetic samples take 0: a first trial at once, no warm or watch time)."""
 
-    def __init__(self, warm_s: float = WARM_S, cores: int = 1, spread: int = 0) -> None:
-        self._rows = [[[_Row() for _ in range(BUCKETS)] for _ in LOADS] for _ in CLASSES]
+    def __init__(self, warm_s: float = WARM_S, cores: int = 1, spread: int = 0,
+                 first: int = EXPLORE, watch_s: float = WATCH_S) -> None:
+        self.first = first
+        self._rows = [[[_Row(first) for _ in range(BUCKETS)] for _ in LOADS] for _ in CLASSES]
         self._recent: deque = deque(maxlen=LOAD_LAST)  # (started, connection)
         self.warm_s = warm_s
+        self.watch_s = watch_s
         self.cores = cores  # the pool's workers that can run at once
         self.spread = spread  # the least bytes the pool splits across two of them (0: none)
 
@@ -216,12 +237,15 @@ class Learner:
         row.requests = count + 1
         if row.stage < 0:
             if count < row.next_trial:
+                if row.choice is None:  # before its first trial: the rule's path
+                    row.rule = row.choice = self.rule(load, length, table_path)
                 return row.choice
             if row.rule is None:
                 row.rule = self.rule(load, length, table_path)
             row.choice = row.choice or row.rule  # a trial, the choice's path first
             row.samples = {INLINE: [], POOL: []}
             row.steady.clear()
+            row.off_since = None
             row.trial_start = count
             row.tried += 1
             row.next_trial = count + self._every(row)
@@ -246,8 +270,9 @@ class Learner:
         """Requests from one trial's start to the next one's."""
         if row.ratio is None:
             return EXPLORE
-        if max(row.ratio, 1 / max(row.ratio, 1e-12)) > FAR:
-            return EXPLORE_FAR
+        last = [_ratio(t) for t in list(row.trials)[-2:]]
+        if len(last) == 2 and all(_far(r) and (r > 1) == (row.ratio > 1) for r in last):
+            return EXPLORE_FAR  # the last two trials found the same path far worse
         return min(EXPLORE_FAR, EXPLORE << max(0, row.agreed))
 
     @staticmethod
@@ -277,7 +302,14 @@ class Learner:
                     row.next_trial > row.trial_start + EXPLORE):
                 row.steady.append(seconds / length)
                 cost = _median(list(row.steady)) if len(row.steady) == WINDOW else None
-                if cost is not None and not mine / FAR <= cost <= FAR * mine:
+                if cost is None or mine / FAR <= cost <= FAR * mine:
+                    row.off_since = None
+                    return
+                now = started if started is not None else time.perf_counter()
+                if row.off_since is None:
+                    row.off_since = now
+                if now - row.off_since >= self.watch_s:  # held out of line: not a burst
+                    row.off_since = None
                     row.steady.clear()
                     sooner = max(row.trial_start + EXPLORE, row.requests)
                     row.agreed = -1  # the load changed: trials EXPLORE apart again
@@ -290,9 +322,10 @@ class Learner:
         row.seen += 1
         if started is None:
             started = time.perf_counter() - seconds
-        if row.seen <= SKIP or (row.stage and self.warm_s and row.seen <= SKIP_MAX
+        if row.seen <= SKIP or (row.stage and path == POOL and self.warm_s
+                                and row.seen <= SKIP_MAX
                                 and started < row.run_start + self.warm_s):
-            return  # a run's first requests (after a change of path: its CPUs wake)
+            return  # a run's first requests (the pool's after a change of path: CPUs wake)
         row.samples[path].append(seconds / length)
         row.counted += 1
         if row.counted >= _WANT[row.stage]:
@@ -305,7 +338,7 @@ class Learner:
         for loads in self._rows:
             for rows in loads:
                 for i in range(len(rows)):
-                    rows[i] = _Row()
+                    rows[i] = _Row(self.first)
         self._recent.clear()
 
     def snapshot(self) -> dict:

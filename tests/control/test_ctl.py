@@ -12,7 +12,7 @@ import nbd
 import pytest
 
 from nbd_verity.launch import NBDKIT
-from nbd_verity.serve.learn import COUNT, MARGIN, SKIP, SKIP_MAX
+from nbd_verity.serve.learn import COUNT, EXPLORE, MARGIN, SKIP, SKIP_MAX
 from nbd_verity.serve.nbdkit_compat import nbdkit_version, version_text
 
 from .harness import CLASSES, ctl, one_error_line
@@ -108,11 +108,13 @@ def test_stats_table_json_and_reset(server, image):
 
 
 def test_thresholds_and_stats_show_what_was_learned(servers, image):
-    """An unpinned class's requests of 512 KiB and more: after a trial of both paths, ctl
-    says per size what each path cost, the verdict and the choice."""
+    """An unpinned class's requests of 512 KiB and more: after their first trial of both
+    paths (EXPLORE requests in), ctl says per size what each path cost, the verdict and
+    the choice."""
     server = servers.start(image)  # the default table: no class pinned
     size = 1024 * KIB  # over one leaf hash block's 512 KiB: never the fast path
-    requests = SKIP + 2 * COUNT + 2 * SKIP_MAX + 1  # a trial at most, and its last's end
+    # the rule's path to the first trial, EXPLORE in; a trial at most, and its last's end
+    requests = EXPLORE + SKIP + 2 * COUNT + 2 * SKIP_MAX + 1
     with server.client("@be") as h:
         for i in range(requests):
             offset = (i * size) % (image.size - image.size % size)

@@ -1,12 +1,12 @@
-"""The learned inline-or-pool choice (serve/learn.py): a trial first (runs of the table's
-path, the other, the table's again), then the cheaper one by the pool/inline ratio, with
-the next trial EXPLORE requests later, twice as far after each that kept the choice (up to
-EXPLORE_FAR; EXPLORE_FAR at once when one path is far worse; EXPLORE again when the
-chosen path's own requests come to cost more than the other did); a run's first
-requests not counted (its first WARM_S after a change of path); one disturbed request
-does not move it; a request's cost is its client's whole cycle, and a pool request
-verified inline because no worker was free is a sample of the pool; pinned classes and
-small requests never consult it."""
+"""The learned inline-or-pool choice (serve/learn.py): the rule's path, a trial EXPLORE
+requests in (runs of the rule's path, the other, the rule's again), then the cheaper one
+by the pool/inline ratio, with the next trial EXPLORE requests later, twice as far after
+each that kept the choice (up to EXPLORE_FAR; EXPLORE_FAR once two trials in a row found
+one path far worse; EXPLORE again when the chosen path's own requests cost more than the
+other did for WATCH_S); a run's first requests not counted (the pool's first WARM_S after
+inline's); one disturbed request or burst does not move it; a request's cost is its
+client's whole cycle, and a pool request verified inline because no worker was free is a
+sample of the pool; pinned classes and small requests never consult it."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ from nbd_verity.serve.learn import (
     RUN_MAX,
     SKIP,
     SKIP_MAX,
+    WINDOW,
     Learner,
     bucket,
 )
@@ -65,7 +66,7 @@ def trial_starts(chosen: list[str], path: str) -> list[int]:
 
 
 def test_table_first_then_the_other_then_the_table_then_the_cheaper():
-    learner = Learner(warm_s=0)
+    learner = Learner(warm_s=0, first=0, watch_s=0)
     chosen = feed(learner, 2 * MIB, {INLINE: 0.0010, POOL: 0.0008}, TRIAL + 4 * EXPLORE)
     first, other, again = RUNS
     assert chosen[:TRIAL] == [INLINE] * first + [POOL] * other + [INLINE] * again
@@ -84,7 +85,7 @@ def test_table_first_then_the_other_then_the_table_then_the_cheaper():
 def test_trials_come_twice_as_far_apart_while_they_keep_the_choice():
     """The first trial moved the choice to the pool: the next comes EXPLORE after it;
     each that keeps the pool puts the next twice as far, up to EXPLORE_FAR."""
-    learner = Learner(warm_s=0)
+    learner = Learner(warm_s=0, first=0, watch_s=0)
     chosen = feed(learner, 2 * MIB, {INLINE: 0.0010, POOL: 0.0008}, 16 * EXPLORE)
     assert EXPLORE_FAR == 4 * EXPLORE
     assert trial_starts(chosen, POOL) == [EXPLORE, 3 * EXPLORE, 7 * EXPLORE, 11 * EXPLORE,
@@ -97,7 +98,7 @@ def test_a_change_of_load_brings_trials_explore_apart_again():
     """Trials 2 x EXPLORE apart: the pool's own requests come to cost 1.6 times what they
     did, so the next trial comes EXPLORE after the last, and the ones after it EXPLORE
     apart: the second moves the choice to inline (the median of the last three)."""
-    learner = Learner(warm_s=0)
+    learner = Learner(warm_s=0, first=0, watch_s=0)
     feed(learner, 2 * MIB, {INLINE: 0.0010, POOL: 0.0008}, EXPLORE + TRIAL)  # kept: 2x
     chosen = feed(learner, 2 * MIB, {INLINE: 0.0010, POOL: 0.0013}, 4 * EXPLORE)
     first, other, again = RUNS
@@ -111,19 +112,64 @@ def test_a_change_of_load_brings_trials_explore_apart_again():
     assert row["choice"] == INLINE and row["early_trials"] == 1
 
 
-def test_a_far_worse_path_is_tried_less_often():
-    learner = Learner(warm_s=0)
-    chosen = feed(learner, MIB, {INLINE: 0.0005, POOL: 0.0020}, TRIAL + 2 * EXPLORE_FAR)
-    assert chosen[TRIAL:].count(POOL) == 2 * RUNS[1]
+def test_a_far_worse_path_is_tried_less_often_once_two_trials_in_a_row_found_it():
+    """The pool costs four times inline's: the first trial's verdict alone does not put
+    the next EXPLORE_FAR away (one trial may have been disturbed): it comes as after any
+    that kept the choice (2 x EXPLORE); after two in a row, EXPLORE_FAR."""
+    learner = Learner(warm_s=0, first=0, watch_s=0)
+    chosen = feed(learner, MIB, {INLINE: 0.0005, POOL: 0.0020},
+                  2 * EXPLORE + 2 * EXPLORE_FAR + TRIAL)
+    assert trial_starts(chosen, INLINE) == [2 * EXPLORE, 2 * EXPLORE + EXPLORE_FAR,
+                                            2 * EXPLORE + 2 * EXPLORE_FAR]
+
+
+def test_a_rows_first_trial_comes_explore_requests_in_the_rules_path_until_then():
+    """Two workers: one client's 2 MiB requests take the pool (the rule's path, not the
+    table's inline) from the first, and the first trial comes EXPLORE requests in."""
+    learner = Learner(warm_s=0, cores=2, spread=512 << 10, watch_s=0)
+    chosen = feed(learner, 2 * MIB, {INLINE: 0.0010, POOL: 0.0008}, EXPLORE)
+    assert chosen == [POOL] * EXPLORE
+    row = learner.snapshot()["be"]["loads"]["1"]["buckets"][str(2 * MIB)]
+    assert row["trials"] == 0 and row["choice"] is None and row["pool_to_inline"] is None
+    first, other, again = RUNS
+    chosen = feed(learner, 2 * MIB, {INLINE: 0.0010, POOL: 0.0008}, TRIAL)
+    assert chosen == [POOL] * first + [INLINE] * other + [POOL] * again
+    row = learner.snapshot()["be"]["loads"]["1"]["buckets"][str(2 * MIB)]
+    assert row["trials"] == 1 and row["choice"] == POOL
+
+
+def timed(learner: Learner, costs: dict, requests: int, at: float, every: float) -> float:
+    """requests 2 MiB choices, started every seconds from at; the next one's start."""
+    for _ in range(requests):
+        path = learner.choose(BE, 2 * MIB, INLINE)
+        learner.record(BE, 2 * MIB, path, costs[path], started=at)
+        at += every
+    return at
+
+
+def test_a_burst_of_costly_requests_does_not_bring_a_trial_sooner():
+    """Trials over EXPLORE apart: the chosen path's requests cost three times as much for
+    half a second (a burst of CPU steal): no trial comes sooner; when they cost it for
+    longer than WATCH_S (1 s), the next trial comes EXPLORE after the last."""
+    learner = Learner(warm_s=0, cores=2, spread=512 << 10)  # the pool, the rule's path
+    cheap, costly = {INLINE: 0.0010, POOL: 0.0008}, {INLINE: 0.0010, POOL: 0.0024}
+    at = timed(learner, cheap, EXPLORE + TRIAL + WINDOW, 0.0, 0.001)  # kept: 2 x EXPLORE
+    at = timed(learner, costly, 500, at, 0.001)
+    at = timed(learner, cheap, WINDOW, at, 0.001)
+    row = learner.snapshot()["be"]["loads"]["1"]["buckets"][str(2 * MIB)]
+    assert row["early_trials"] == 0 and row["trials"] == 1
+    timed(learner, costly, EXPLORE - 500 - 2 * WINDOW, at, 0.002)  # 3 s: to 2 x EXPLORE
+    row = learner.snapshot()["be"]["loads"]["1"]["buckets"][str(2 * MIB)]
+    assert row["early_trials"] == 1 and row["trials"] == 2
 
 
 def test_the_verdict_is_the_ratio_within_each_trial():
     """The machine slows from trial to trial, and one trial's pool run is disturbed: the
     ratios within each trial decide (0.8, 1.8, 0.82: the pool), not each path's costs
     mixed from different trials' moments (medians 1.1 inline, 2.0 pool: inline)."""
-    learner = Learner(warm_s=0)
+    learner = Learner(warm_s=0, first=0, watch_s=0)
     feed(learner, 2 * MIB, {INLINE: 0.0010, POOL: 0.0008}, EXPLORE)
-    feed(learner, 2 * MIB, {INLINE: 0.0011, POOL: 0.0020}, EXPLORE_FAR)  # now far apart
+    feed(learner, 2 * MIB, {INLINE: 0.0011, POOL: 0.0020}, EXPLORE)  # one far: EXPLORE on
     feed(learner, 2 * MIB, {INLINE: 0.0025, POOL: 0.00205}, TRIAL + 8)
     row = learner.snapshot()["be"]["loads"]["1"]["buckets"][str(2 * MIB)]
     assert row["trials"] == 3 and row["pool_us_per_mib"] > row["inline_us_per_mib"], row
@@ -134,7 +180,7 @@ def test_the_rule_the_pool_with_idle_workers_inline_when_every_one_has_a_client(
     """Two workers, the pool splitting 512 KiB and more across two: one client's 2 MiB
     requests take the pool first, two clients' inline first, one client's 256 KiB the
     table's path; one worker: the table's always."""
-    learner = Learner(warm_s=0, cores=2, spread=512 << 10)
+    learner = Learner(warm_s=0, first=0, watch_s=0, cores=2, spread=512 << 10)
     one, two, four = 0, 1, 2
     assert learner.rule(one, 2 * MIB, INLINE) == POOL
     assert learner.rule(two, 2 * MIB, POOL) == INLINE == learner.rule(four, 2 * MIB, POOL)
@@ -157,7 +203,7 @@ def test_trials_overturn_the_rule_only_by_the_margin():
     chosen pays for its CPUs' change): within MARGIN either way the rule's path stays."""
     for load, rule, ratio, choice in ((0, POOL, 1.1, POOL), (0, POOL, 1.2, INLINE),
                                       (2, INLINE, 0.9, INLINE), (2, INLINE, 0.85, POOL)):
-        learner = Learner(warm_s=0, cores=2, spread=512 << 10)
+        learner = Learner(warm_s=0, first=0, watch_s=0, cores=2, spread=512 << 10)
         chosen = feed(learner, 2 * MIB, {INLINE: 0.0010, POOL: 0.0010 * ratio}, TRIAL + 8,
                       load)
         assert chosen[0] == rule and chosen[-8:] == [choice] * 8, (load, ratio)
@@ -165,7 +211,7 @@ def test_trials_overturn_the_rule_only_by_the_margin():
 
 def test_a_runs_first_requests_are_not_counted():
     """The first requests on a path after the other pay for its idle CPUs: not samples."""
-    learner = Learner(warm_s=0)
+    learner = Learner(warm_s=0, first=0, watch_s=0)
     first, other, _ = RUNS
     for _ in range(first):
         assert learner.choose(BE, 2 * MIB, INLINE) == INLINE
@@ -178,19 +224,28 @@ def test_a_runs_first_requests_are_not_counted():
     assert row["choice"] == POOL and row["pool_us_per_mib"] < row["inline_us_per_mib"]
 
 
-def test_after_a_change_of_path_its_first_warm_seconds_are_not_counted():
-    """Requests that started within warm_s of the run's first are not samples, up to
-    SKIP_MAX of them (the rest count, however soon they started)."""
-    learner = Learner(warm_s=1000.0)  # every request of the test starts within it
+def test_after_a_change_of_path_the_pools_first_warm_seconds_are_not_counted():
+    """The pool's requests that started within warm_s of its run's first are not samples,
+    up to SKIP_MAX of them (the rest count, however soon they started); inline's run after
+    the pool's counts from its SKIP-th (it runs no slower at first)."""
+    learner = Learner(warm_s=1000.0, first=0)  # every request of the test starts within it
     chosen = feed(learner, 2 * MIB, {INLINE: 0.0010, POOL: 0.0005}, RUNS[0])
     assert chosen == [INLINE] * RUNS[0]  # the chosen path's first run: warm already
     chosen = feed(learner, 2 * MIB, {INLINE: 0.0010, POOL: 0.0005}, SKIP_MAX + COUNT)
     assert chosen == [POOL] * (SKIP_MAX + COUNT)
     assert learner.choose(BE, 2 * MIB, INLINE) == INLINE  # the last run: the table's again
+    learner = Learner(warm_s=1000.0, first=0, cores=2, spread=512 << 10)  # the pool first
+    first, other, _ = RUNS
+    chosen = feed(learner, 2 * MIB, {INLINE: 0.0010, POOL: 0.0005}, first + other)
+    assert chosen == [POOL] * first + [INLINE] * other
+    chosen = feed(learner, 2 * MIB, {INLINE: 0.0010, POOL: 0.0005}, SKIP_MAX + COUNT // 2)
+    assert chosen == [POOL] * (SKIP_MAX + COUNT // 2)
+    assert learner.snapshot()["be"]["loads"]["1"]["buckets"][str(2 * MIB)]["trials"] == 1
+    assert learner.choose(BE, 2 * MIB, INLINE) == POOL  # decided; the next trial far off
 
 
 def test_a_run_whose_samples_do_not_come_is_given_up():
-    learner = Learner(warm_s=0)
+    learner = Learner(warm_s=0, first=0, watch_s=0)
     feed(learner, 2 * MIB, {INLINE: 0.0010, POOL: 0.0005}, RUNS[0])
     for _ in range(RUN_MAX):  # handed out to the pool, never recorded
         assert learner.choose(BE, 2 * MIB, INLINE) == POOL
@@ -200,7 +255,7 @@ def test_a_run_whose_samples_do_not_come_is_given_up():
 
 
 def test_one_disturbed_request_does_not_move_the_choice():
-    learner = Learner(warm_s=0)
+    learner = Learner(warm_s=0, first=0, watch_s=0)
     feed(learner, 2 * MIB, {INLINE: 0.0010, POOL: 0.0006}, TRIAL + 8)
     assert learner.choose(BE, 2 * MIB, INLINE) == POOL
     learner.record(BE, 2 * MIB, POOL, 0.040)  # preempted once
@@ -208,7 +263,7 @@ def test_one_disturbed_request_does_not_move_the_choice():
 
 
 def test_the_choice_follows_a_change_of_load():
-    learner = Learner(warm_s=0)
+    learner = Learner(warm_s=0, first=0, watch_s=0)
     feed(learner, 2 * MIB, {INLINE: 0.0010, POOL: 0.0006}, TRIAL + 8)
     assert learner.choose(BE, 2 * MIB, INLINE) == POOL
     # now the cores are taken: the pool's requests wait; inline costs what it did
@@ -218,22 +273,27 @@ def test_the_choice_follows_a_change_of_load():
 
 def test_far_apart_trials_come_sooner_when_the_choice_costs_more():
     """Trials EXPLORE_FAR apart: when the chosen path comes to cost more than the other
-    did in the last trial, the next one comes EXPLORE after the last."""
-    learner = Learner(warm_s=0)
-    feed(learner, 2 * MIB, {INLINE: 0.0030, POOL: 0.0010}, TRIAL + 8)  # pool, far
+    did in the last trial, the next one comes EXPLORE after the last, and the one after
+    it EXPLORE on (the median of the last three trials moves with the second)."""
+    learner = Learner(warm_s=0, first=0, watch_s=0)
+    feed(learner, 2 * MIB, {INLINE: 0.0030, POOL: 0.0010}, EXPLORE + TRIAL + 8)  # far, twice
     chosen = feed(learner, 2 * MIB, {INLINE: 0.0030, POOL: 0.0060}, EXPLORE)
-    at = EXPLORE - (TRIAL + 8)  # the trial EXPLORE after the first
+    at = EXPLORE - (TRIAL + 8)  # the trial EXPLORE after the last
     assert chosen[:at] == [POOL] * at  # until then the pool, the costlier now
+    assert chosen[at:at + TRIAL] == [POOL] * RUNS[0] + [INLINE] * RUNS[1] + [POOL] * RUNS[2]
+    assert set(chosen[at + TRIAL:]) == {POOL}  # the median of three: still the pool's
+    chosen = feed(learner, 2 * MIB, {INLINE: 0.0030, POOL: 0.0060}, EXPLORE)
+    assert set(chosen[:at]) == {POOL}  # the next trial, EXPLORE on, moves it
     assert chosen[at:at + TRIAL] == [POOL] * RUNS[0] + [INLINE] * RUNS[1] + [POOL] * RUNS[2]
     assert set(chosen[at + TRIAL:]) == {INLINE}
     row = learner.snapshot()["be"]["loads"]["1"]["buckets"][str(2 * MIB)]
-    assert row["early_trials"] == 1 and row["choice"] == INLINE
+    assert row["early_trials"] == 1 and row["choice"] == INLINE and row["trials"] == 4
 
 
 def test_far_apart_trials_come_sooner_when_the_choice_costs_much_less():
     """Four clients made inline far cheaper; then one is left: inline costs half what it
     did, and the pool is cheaper now. The next trial comes EXPLORE after the last."""
-    learner = Learner(warm_s=0)
+    learner = Learner(warm_s=0, first=0, watch_s=0)
     feed(learner, 2 * MIB, {INLINE: 0.0040, POOL: 0.0080}, TRIAL + 8)  # inline, far
     chosen = feed(learner, 2 * MIB, {INLINE: 0.0018, POOL: 0.0015}, EXPLORE)
     at = EXPLORE - (TRIAL + 8)
@@ -245,7 +305,7 @@ def test_far_apart_trials_come_sooner_when_the_choice_costs_much_less():
 
 
 def test_classes_and_sizes_learn_apart():
-    learner = Learner(warm_s=0)
+    learner = Learner(warm_s=0, first=0, watch_s=0)
     feed(learner, 2 * MIB, {INLINE: 0.0010, POOL: 0.0005}, TRIAL + 8)
     assert learner.choose(IDLE, 2 * MIB, INLINE) == INLINE  # idle: its first, the table's
     assert learner.choose(BE, LEARN_MIN, INLINE) == INLINE  # another size: its first
@@ -266,7 +326,7 @@ def test_a_requests_load_is_the_clients_of_the_last_learned_requests():
 def test_loads_learn_apart():
     """Four clients' requests learn inline, one client's the pool, and going back to
     four clients takes their choice at once: a change of load needs no new trials."""
-    learner = Learner(warm_s=0)
+    learner = Learner(warm_s=0, first=0, watch_s=0)
     four, one = 2, 0
     feed(learner, 2 * MIB, {INLINE: 0.0010, POOL: 0.0015}, TRIAL + 8, four)
     assert feed(learner, 2 * MIB, {INLINE: 0.0010, POOL: 0.0008}, TRIAL + 8, one)[-8:] \
@@ -287,6 +347,8 @@ def dispatcher(pinned: frozenset) -> tuple[Dispatcher, list]:
 
     d = Dispatcher(read, 4096, (256 << 10,) * 4, workers=2, pinned=pinned)
     d.learner.warm_s = 0  # no request waits here for the CPUs to wake
+    d.learner.first = d.learner.watch_s = 0  # the first trial at once
+    d.learner.reset()
     return d, seen
 
 
