@@ -70,8 +70,8 @@ the other clearly cheaper:
   inline; then one client's ran inline at 880, and the pool's were 10-25% cheaper), so
   a change of load moves the choice within a few thousand requests. A shorter burst is
   not a change of load (measured: in 8 s of one client's 2 MiB reads the watch of the
-  median alone brought an early trial in nearly every process, on bursts of requests at
-  3 to 4 times their cost, CPU steal or a neighbour; held for a second, none in four).
+  median alone brought an early trial in each of 11 processes, on bursts of requests at
+  3 to 4 times their cost, CPU steal or a neighbour; held for a second, none in eight).
 - Why trials, not the cost of each path's latest requests: the machine's speed drifts
   from second to second (CPU steal from other guests comes in bursts of seconds: one
   second of one client's 2 MiB reads ran 316 MB/s, the next 1230 on the same path),
