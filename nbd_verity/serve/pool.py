@@ -18,11 +18,11 @@ busy. A condition variable over the queues instead, which every submit took and
 notified and every worker woke on, served one client's 2 MiB reads on the pool at 0.977
 (quartiles 0.960-0.987) of the baseline's ThreadPoolExecutor; the tokens, 0.992
 (0.982-1.008) (32 pairs of fresh processes each, bench/ab.py). The lock guards only the
-start and the stop flag (a submit racing shutdown). demand() counts under
-a lock of its own and reads the idle workers unlocked (a hint): a request that took the
-workers' lock to ask waited behind them (measured in process, one client's 2 MiB requests
-of no-op chunks: 7-10 µs more per request than the same requests not asking, 5 µs with
-the lock of its own).
+start and the stop flag (a submit racing shutdown). demand() counts under a lock of its
+own and reads the idle workers unlocked (a hint): when it asked under the lock the
+workers then took at every chunk, a request waited behind them (measured in process, one
+client's 2 MiB requests of no-op chunks: 7-10 µs more per request than the same requests
+not asking, 5 µs with the lock of its own).
 """
 
 from __future__ import annotations
