@@ -23,7 +23,7 @@ clearly cheaper (runs of the chosen path, the other and the chosen again, of who
 cycles, the pool's first 150 ms after inline's not counted, the verdict the pool/inline
 ratio), and one that should take the pool
 goes there only while such requests are at most half the workers and a worker is free
-(pool.claim); otherwise it is verified inline, in its own nbdkit thread, instead of
+(pool.demand); otherwise it is verified inline, in its own nbdkit thread, instead of
 waiting in the queue behind other connections' chunks (counted as `busy_inline`). A
 threshold set with --threshold or `ctl thresholds` pins its class: the table alone
 decides, exactly.
@@ -158,25 +158,20 @@ class Dispatcher:
         """clock: the connection's (Connection.clock), so that a learned request's cost is
         its whole cycle as its client sees it (see _learned); None: the request alone."""
         length = len(buf)
-        now = time.perf_counter()
         if clock is not None and clock[0]:  # any next request ends the last one's cycle
-            self._learned(clock, now)
+            self._learned(clock, time.perf_counter())
         path = decide(self.table, io_class, length)
         if io_class in self.pinned or length < LEARN_MIN:
             self._timed(buf, offset, io_class, path)
             return
-        load = self.learner.load(id(clock), now)
+        load = self.learner.load(id(clock), time.perf_counter())
         path = self.learner.choose(io_class, length, path, load)
         if path == POOL:
-            pool = self._pool or self.start()
-            worth = pool.claim()
-            try:
+            with (self._pool or self.start()).demand() as worth:
                 if not worth:  # the cores are taken: this thread verifies it, no queueing
                     self._busy_inline.row()[io_class] += 1
                 self._timed(buf, offset, io_class, POOL if worth else INLINE, clock,
                             (POOL, load))
-            finally:
-                pool.release()
             return
         self._timed(buf, offset, io_class, path, clock, (INLINE, load))
 

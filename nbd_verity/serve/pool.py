@@ -53,7 +53,6 @@ class ClassPool:
         self._busy = [0] * workers  # per worker, its own: 1 while it runs a chunk
         self._demand = 0  # pool-sized requests being served now (demand())
         self._demand_lock = threading.Lock()  # ... counted under this lock
-        self._half = max(1, workers // 2)  # ... the most of them the pool takes
         self._stopping = False
         self._prioritise: bool | None = None  # may workers change class (probed once)
 
@@ -71,34 +70,21 @@ class ClassPool:
 
     def idle_workers(self) -> int:
         """Workers neither busy nor promised to a queued chunk (a hint, unlocked)."""
-        queues = self._queues
-        return (self.workers - sum(self._busy) - len(queues[0]) - len(queues[1])
-                - len(queues[2]))
-
-    def claim(self) -> bool:
-        """Count a pool-sized request as served now (either path), server wide, until
-        release(); whether it should take the pool: only while such requests are at most
-        half the workers (each then still gets two cores) and a worker is free. Two
-        plain calls, not a context manager: its generator per request cost one
-        client's 2 MiB reads about 1.5% (measured with bench/ab.py-style pairs)."""
-        with self._demand_lock:  # not the workers' lock: they hold it at every chunk
-            self._demand += 1
-            demand = self._demand
-        return demand <= self._half and self.idle_workers() > 0
-
-    def release(self) -> None:
-        """The end of a request claim() counted."""
-        with self._demand_lock:
-            self._demand -= 1
+        return self.workers - sum(self._busy) - sum(len(q) for q in self._queues)
 
     @contextlib.contextmanager
     def demand(self):
-        """claim() and release() around a block: yields claim()'s answer."""
-        worth = self.claim()
+        """Count a pool-sized request for as long as it is served (either path), server
+        wide; yields whether it should take the pool: only while such requests are at
+        most half the workers (each then still gets two cores) and a worker is free."""
+        with self._demand_lock:  # not the workers' lock: they hold it at every chunk
+            self._demand += 1
+            demand = self._demand
         try:
-            yield worth
+            yield demand <= max(1, self.workers // 2) and self.idle_workers() > 0
         finally:
-            self.release()
+            with self._demand_lock:
+                self._demand -= 1
 
     def _start(self) -> None:
         self._prioritise = priority.enabled() and priority.may_raise()
