@@ -12,6 +12,7 @@ import sys
 import click
 
 from ..errors import VerityError
+from ..sources.remote import redact_text
 
 EXIT_CORRUPT = 1  # verify found corruption; a control request the server refused
 EXIT_ERROR = 2  # bad input: options, files, formats
@@ -19,7 +20,10 @@ EXIT_INTERRUPTED = 130
 
 
 def fail(message: str, code: int = EXIT_ERROR):
-    click.echo(f"nbd-verity: {message}", err=True)
+    """The command's one line, every URL in it redacted (a user part's password, a
+    query's token: verify, dump and tune take DATA and HASH as paths, and a URL given
+    them is named in the error as a file), and its exit status."""
+    click.echo(f"nbd-verity: {redact_text(message)}", err=True)
     sys.exit(code)
 
 

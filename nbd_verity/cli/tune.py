@@ -29,6 +29,7 @@ from ..limits import MAX_REQUEST_SIZE
 from ..serve.config import parse_size, plugin_pairs
 from ..serve.ioprio import CLASSES
 from ..serve.startup import check_device
+from ..sources.remote import is_uri, is_url, redact
 from .common import EXIT_ERROR, edge
 
 
@@ -107,7 +108,13 @@ class Target:
 @contextlib.contextmanager
 def served(data: str, hash_image: str, root_hash: str, workers: int | None,
            threads: int | None):
-    """Serve the images with our plugin for the length of the run; stop it by pid."""
+    """Serve the images with our plugin for the length of the run; stop it by pid. An
+    http(s) or s3 image needs the captive upstream `serve` starts: refused here."""
+    for role, text in (("data", data), ("hash", hash_image)):
+        if is_url(text) and not is_uri(text):
+            raise TuneError(f"{role}: {redact(text)}: tune serves paths and NBD URIs itself; "
+                            f"serve this image with `nbd-verity serve` and tune that "
+                            f"server (--control, --socket)")
     workdir = tempfile.mkdtemp(prefix="nv-tune-")  # short: sun_path holds 108 bytes
     target = Target(os.path.join(workdir, "nbd.sock"), os.path.join(workdir, "ctl.sock"))
     pairs = plugin_pairs({"data": data, "hash_image": hash_image, "root_hash": root_hash,

@@ -250,6 +250,30 @@ def test_refusals_name_urls_redacted(web, image, sockdir, monkeypatch, hash_give
     assert f"127.0.0.1:{web.port}/missing.img" in result.stderr, result.stderr
 
 
+ROOT_ZERO = "0" * 64
+SECRET_DATA = f"http://{USER}:{PASSWORD}@127.0.0.1:9/d.img?token={TOKEN}"
+SECRET_HASH = f"https://127.0.0.1:9/h.img?X-Amz-Signature={TOKEN}"
+
+
+@pytest.mark.parametrize("argv", [
+    ["verify", SECRET_DATA, SECRET_HASH, ROOT_ZERO],
+    ["dump", SECRET_HASH],
+    ["format", SECRET_DATA, "/nonexistent-dir/h.img"],
+    ["tune", SECRET_DATA, SECRET_HASH, ROOT_ZERO],
+], ids=["verify", "dump", "format", "tune"])
+def test_other_commands_name_urls_redacted(argv):
+    """The commands that read DATA and HASH as paths refuse a URL with its one line naming
+    it without the password and the token (tune: refused as a URL, not as a path made
+    absolute), as serve does."""
+    result = subprocess.run([str(NBD_VERITY), *argv], capture_output=True, text=True,
+                            timeout=60, check=False)
+    assert result.returncode == 2, result
+    assert PASSWORD not in result.stderr and TOKEN not in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "127.0.0.1:9/" in result.stderr and "***" in result.stderr, result.stderr
+
+
 @pytest.mark.parametrize(("url_text", "shown"), [
     ("http://u:pw@h:80/d.img?token=t", "http://***@h:80/d.img?***"),
     ("https://h/d.img?X-Amz-Signature=s&X-Amz-Credential=c", "https://h/d.img?***"),
