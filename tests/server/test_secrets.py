@@ -222,6 +222,19 @@ def test_presigned_url_across_a_server_restart(web, servers, image, sockdir, mon
     assert read_all(h, image.size) == expected
 
 
+@pytest.mark.parametrize("web", list(HTTP_CASES), indirect=True)
+def test_sidecars_beside_a_url_with_secrets(web, servers, image, sockdir, monkeypatch):
+    """DATA alone, its URL with a password or a token in the query or both: the sidecars
+    are looked up as data.img.verity and data.img.roothash with the same password and
+    query (which the store asks of every object), and the image is served verified."""
+    monkeypatch.setenv("RUNTIME_DIRECTORY", sockdir)
+    docroot = Path(web.docroot)
+    shutil.copyfile(image.hash, docroot / "data.img.verity")
+    (docroot / "data.img.roothash").write_text(image.root + "\n")
+    server = servers.serve_cli([web.secret_url("data.img")])
+    assert read_all(server.connect(), image.size) == image.expected()
+
+
 def test_secret_file_is_private(tmp_path):
     path = tmp_path / "x.secret"
     write_secret(str(path), PASSWORD)

@@ -231,6 +231,14 @@ def test_auxiliary_path_drops_raw():
     assert auxiliary_path("https://h/disk.raw", ".roothash.p7s") == "https://h/disk.roothash.p7s"
 
 
+def test_a_urls_sidecar_keeps_its_query_after_the_path():
+    assert (auxiliary_path("https://h/disk.raw?token=t&x=1", ".roothash")
+            == "https://h/disk.roothash?token=t&x=1")
+    assert auxiliary_path("http://u:p@h:8/d.img?t=1", ".verity") == "http://u:p@h:8/d.img.verity?t=1"
+    assert auxiliary_path("s3://b/k.raw", ".verity") == "s3://b/k.verity"
+    assert auxiliary_path("/i/d.img?x", ".verity") == "/i/d.img?x.verity"  # a path as it is
+
+
 def test_find_all_sidecars(ids, tmp_path):
     image = tmp_path / "disk.raw"
     image.write_bytes(b"")
