@@ -18,7 +18,6 @@ fails is EIO; the retry filter above reopens and retries. Messages show the URL 
 its user part and its query (remote.redact).
 """
 
-import base64
 import errno
 import http.client
 import pathlib
@@ -28,7 +27,7 @@ import urllib.parse
 
 import nbdkit
 
-from nbd_verity.sources.remote import redact
+from nbd_verity.sources.remote import basic_auth, redact
 
 API_VERSION = 2
 MAX_REDIRECTS = 5
@@ -168,12 +167,7 @@ class Connection:
         as the URL gives them, so a redirect elsewhere gets none (curl's default). A
         kept-alive connection the server has closed meanwhile is reopened once."""
         parts = urllib.parse.urlsplit(url)
-        headers = {"Range": byte_range}
-        if parts.username is not None:  # what curl sends for user:password@ in a URL
-            user = urllib.parse.unquote(parts.username)
-            password = urllib.parse.unquote(parts.password or "")
-            token = base64.b64encode(f"{user}:{password}".encode()).decode()
-            headers["Authorization"] = f"Basic {token}"
+        headers = {"Range": byte_range, **basic_auth(url)}  # curl's for user:password@
         target = urllib.parse.urlunsplit(("", "", parts.path or "/", parts.query, ""))
         reused = self._open(parts)
         try:

@@ -31,6 +31,7 @@ it is never held during I/O.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import errno
 import re
@@ -67,6 +68,17 @@ def redacted(uri: str) -> str:
     parts = urllib.parse.urlsplit(uri)
     netloc = parts.netloc.rsplit("@", 1)[-1]
     return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, parts.query, ""))
+
+
+def basic_auth(url: str) -> dict[str, str]:
+    """The header curl sends for an http(s) URL's user:password@ (HTTP basic auth); {}
+    without a user part."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.username is None:
+        return {}
+    pair = (f"{urllib.parse.unquote(parts.username)}:"
+            f"{urllib.parse.unquote(parts.password or '')}")
+    return {"Authorization": "Basic " + base64.b64encode(pair.encode()).decode("ascii")}
 
 
 HIDDEN = "***"  # what messages show for a user part or a query

@@ -17,7 +17,6 @@ plugin checks against the trusted certificates (and requires with require-signat
 
 from __future__ import annotations
 
-import base64
 import os
 import urllib.error
 import urllib.parse
@@ -25,9 +24,9 @@ import urllib.request
 from dataclasses import dataclass
 
 from ..errors import SidecarError
-from ..sources.remote import redact
+from ..sources.remote import REMOTE_SCHEMES, basic_auth, redact, redacted
 from ..sources.source import read_capped
-from .sidecar import REMOTE_SIDECAR_SCHEMES, find_sidecars
+from .sidecar import find_sidecars
 
 MAX_REMOTE_SIDECAR = 1 << 20  # a root hash or a PKCS#7 signature is far smaller
 TIMEOUT = 10.0  # seconds per request
@@ -40,7 +39,7 @@ def is_http(text: str) -> bool:
 
 def has_remote_sidecars(text: str) -> bool:
     """An image URL whose sidecars discover() can look for (http, https, s3)."""
-    return urllib.parse.urlsplit(text).scheme in REMOTE_SIDECAR_SCHEMES
+    return urllib.parse.urlsplit(text).scheme in REMOTE_SCHEMES
 
 
 def _open(url: str, method: str = "GET", headers: dict | None = None):
@@ -48,16 +47,9 @@ def _open(url: str, method: str = "GET", headers: dict | None = None):
     A user part goes as HTTP basic auth, as curl sends it, and only to URL's own server:
     a header no redirect carries (urllib would send a user part nowhere: it names no
     host it can resolve)."""
-    parts = urllib.parse.urlsplit(url)
-    userinfo, at, host = parts.netloc.rpartition("@")
-    target = (urllib.parse.urlunsplit((parts.scheme, host, parts.path, parts.query, ""))
-              if at else url)
-    request = urllib.request.Request(target, method=method, headers=headers or {})
-    if at:
-        user, _, password = userinfo.partition(":")
-        pair = f"{urllib.parse.unquote(user)}:{urllib.parse.unquote(password)}"
-        request.add_unredirected_header(
-            "Authorization", "Basic " + base64.b64encode(pair.encode()).decode("ascii"))
+    request = urllib.request.Request(redacted(url), method=method, headers=headers or {})
+    for name, value in basic_auth(url).items():
+        request.add_unredirected_header(name, value)
     try:
         return urllib.request.urlopen(request, timeout=TIMEOUT)
     except urllib.error.HTTPError as e:

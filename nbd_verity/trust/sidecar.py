@@ -35,9 +35,9 @@ from dataclasses import dataclass
 
 from ..errors import SidecarError
 from ..files import write_atomically
+from ..sources.remote import REMOTE_SCHEMES
 from ..sources.source import read_small_file
 
-REMOTE_SIDECAR_SCHEMES = ("http", "https", "s3")  # URLs whose sidecars sit beside them
 MAX_SIDECAR_SIZE = 4 << 20  # systemd refuses a verity signature partition larger than 4 MiB
 MIN_ROOT_HASH_SIZE = 16  # systemd: shorter than an sd_id128_t is not a root hash
 WHITESPACE = " \t\n\r"
@@ -69,7 +69,7 @@ def auxiliary_path(image: str, suffix: str) -> str:
     For an http(s) or s3 URL, to its path: its query (a token the store asks of every
     object) stays as it is, and goes with the sidecar's URL too."""
     parts = urllib.parse.urlsplit(image)
-    if parts.scheme in REMOTE_SIDECAR_SCHEMES and "://" in image:
+    if parts.scheme in REMOTE_SCHEMES and "://" in image:
         path = parts.path.removesuffix(".raw") + suffix
         return urllib.parse.urlunsplit((parts.scheme, parts.netloc, path, parts.query, ""))
     return image.removesuffix(".raw") + suffix
