@@ -23,7 +23,7 @@ clearly cheaper (runs of the chosen path, the other and the chosen again, of who
 cycles, the pool's first 150 ms after inline's not counted, the verdict the pool/inline
 ratio), and one that should take the pool
 goes there only while such requests are at most half the workers and a worker is free
-(pool.demand); otherwise it is verified inline, in its own nbdkit thread, instead of
+(pool.claim); otherwise it is verified inline, in its own nbdkit thread, instead of
 waiting in the queue behind other connections' chunks (counted as `busy_inline`). A
 threshold set with --threshold or `ctl thresholds` pins its class: the table alone
 decides, exactly.
@@ -156,23 +156,44 @@ class Dispatcher:
     def read(self, buf: memoryview, offset: int, io_class: int,
              clock: list | None = None) -> None:
         """clock: the connection's (Connection.clock), so that a learned request's cost is
-        its whole cycle as its client sees it (see _learned); None: the request alone."""
+        its whole cycle as its client sees it (see _learned); None: the request alone.
+
+        Every microsecond of Python here is one the client waits for (a 2 MiB request's
+        learned path took 36 µs more than a pinned one's, timed around it in the server,
+        where a loop of the same calls takes 4.4: caches gone cold while the workers hashed
+        and the thread slept). So a learned request records its connection's last sample
+        (_learned) once its own path is chosen, and one sent to the pool does it while the
+        workers verify its chunks. A trial's runs alternate paths, so each run hands out
+        one request more, whose sample comes in the next run, on the other path, and is
+        not counted."""
         length = len(buf)
-        if clock is not None and clock[0]:  # any next request ends the last one's cycle
-            self._learned(clock, time.perf_counter())
+        now = time.perf_counter()
+        pending = clock is not None and clock[0]  # this request ends the last one's cycle
         path = decide(self.table, io_class, length)
         if io_class in self.pinned or length < LEARN_MIN:
+            if pending:
+                self._learned(clock, now)
             self._timed(buf, offset, io_class, path)
             return
-        load = self.learner.load(id(clock), time.perf_counter())
+        load = self.learner.load(id(clock), now)
         path = self.learner.choose(io_class, length, path, load)
         if path == POOL:
-            with (self._pool or self.start()).demand() as worth:
-                if not worth:  # the cores are taken: this thread verifies it, no queueing
+            pool = self._pool or self.start()
+            key = id(buf)  # no other request being served has this buffer
+            try:
+                if pool.claim(key):
+                    self._timed(buf, offset, io_class, POOL, clock, (POOL, load),
+                                now if pending else None)
+                else:  # the cores are taken: this thread verifies it, no queueing
                     self._busy_inline.row()[io_class] += 1
-                self._timed(buf, offset, io_class, POOL if worth else INLINE, clock,
-                            (POOL, load))
+                    if pending:
+                        self._learned(clock, now)
+                    self._timed(buf, offset, io_class, INLINE, clock, (POOL, load))
+            finally:
+                pool.release(key)
             return
+        if pending:
+            self._learned(clock, now)
         self._timed(buf, offset, io_class, path, clock, (INLINE, load))
 
     def _learned(self, clock: list, now: float) -> None:
@@ -185,6 +206,8 @@ class Dispatcher:
         CYCLE_GAP_S in between, or sent this one before the last had ended, the request
         alone is the sample. Requests the fast path answered in between (fastpath.py, which
         does not come here) count into the cycle."""
+        if not clock[0]:  # another request of the connection's took it (racy: rare)
+            return
         started, ended, length, (path, load), io_class = clock
         clock[0] = 0.0
         gap = now - ended
@@ -192,17 +215,20 @@ class Dispatcher:
         self.learner.record(io_class, length, path, seconds, started, load)
 
     def _timed(self, buf: memoryview, offset: int, io_class: int, path: str,
-               clock: list | None = None, learn: tuple | None = None) -> None:
+               clock: list | None = None, learn: tuple | None = None,
+               cycle: float | None = None) -> None:
         """learn: the path the learner chose and the load it chose at, whose sample this
         is (the pool's choice includes its requests verified inline when no worker was
-        free: what choosing the pool gets the client); None: no sample."""
+        free: what choosing the pool gets the client); None: no sample. cycle: when this
+        request came, for the connection's last sample to be recorded while the pool
+        works (None: none pending)."""
         length = len(buf)
         started = time.perf_counter()
         try:
             if path == INLINE:
                 self._read(buf, offset)
             else:
-                self._read_in_pool(buf, offset, io_class)
+                self._read_in_pool(buf, offset, io_class, clock if cycle else None, cycle)
         finally:  # failed requests count too, and their latency
             ended = time.perf_counter()
             self.stats.record(io_class, path, length, ended - started)
@@ -212,24 +238,30 @@ class Dispatcher:
                 self.learner.record(io_class, length, learn[0], ended - started, started,
                                     learn[1])
 
-    def _read_in_pool(self, buf: memoryview, offset: int, io_class: int) -> None:
+    def _read_in_pool(self, buf: memoryview, offset: int, io_class: int,
+                      clock: list | None = None, cycle: float | None = None) -> None:
         """Split on block boundaries into chunks, verify them in parallel, wait for all.
         The first failing chunk's error (in offset order) is the request's error, as the
-        inline path would have raised it first."""
+        inline path would have raised it first. clock and cycle: the connection's last
+        sample, recorded once the chunks are queued (read())."""
         pool = self._pool or self.start()
         futures = []
         pos, end = offset, offset + len(buf)
-        while pos < end:
-            boundary = (pos // self.chunk_size + 1) * self.chunk_size
-            stop = min(end, boundary)
-            futures.append(pool.submit(io_class, self._read, buf[pos - offset:stop - offset],
-                                       pos))
-            pos = stop
-        error = None
-        for future in futures:  # wait for every chunk before the buffer goes back
-            try:
-                future.result()
-            except Exception as e:
-                error = error or e
+        try:
+            while pos < end:
+                boundary = (pos // self.chunk_size + 1) * self.chunk_size
+                stop = min(end, boundary)
+                futures.append(pool.submit(io_class, self._read,
+                                           buf[pos - offset:stop - offset], pos))
+                pos = stop
+            if clock is not None:
+                self._learned(clock, cycle)
+        finally:  # every chunk queued has ended before the buffer goes back
+            error = None
+            for future in futures:
+                try:
+                    future.result()
+                except Exception as e:
+                    error = error or e
         if error is not None:
             raise error
