@@ -132,3 +132,40 @@ def test_demand_takes_the_pool_only_while_cores_are_spare():
         release.set()
     finally:
         pool.shutdown()
+
+
+def test_a_request_whose_chunks_the_pool_stops_taking_waits_for_those_it_took():
+    """A pool that stops (shutdown) between one request's chunks refuses the rest; the
+    request fails, but only once the chunks already queued have ended: they write into
+    its buffer, which nbdkit reuses once the request has returned."""
+    from nbd_verity.serve.dispatch import Dispatcher
+
+    class Stopping(ClassPool):
+        """Takes two chunks, then refuses as a stopping pool does."""
+
+        def submit(self, io_class, fn, *args):
+            self.taken = getattr(self, "taken", 0) + 1
+            if self.taken > 2:
+                raise RuntimeError("the verification pool is stopping")
+            return super().submit(io_class, fn, *args)
+
+    ended: list[int] = []
+
+    def read(view, offset):
+        time.sleep(0.05)
+        ended.append(offset)
+
+    pool = Stopping(2)
+    d = Dispatcher(read, 4096, (0,) * 4, workers=2, shared_pool=lambda: pool,
+                   pinned=frozenset(range(4)))
+    try:
+        buf = memoryview(bytearray(2 << 20))
+        try:
+            d.read(buf, 0, BE)
+        except RuntimeError as e:
+            assert "stopping" in str(e)
+        else:
+            raise AssertionError("the request did not fail")
+        assert sorted(ended) == [0, d.chunk_size]  # both taken chunks had ended
+    finally:
+        pool.shutdown(wait=True)
