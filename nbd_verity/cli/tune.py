@@ -29,17 +29,18 @@ from ..limits import MAX_REQUEST_SIZE
 from ..serve.config import parse_size, plugin_pairs
 from ..serve.ioprio import CLASSES
 from ..serve.startup import check_device
-from ..sources.remote import is_uri, is_url, redact
+from ..sources.remote import is_uri, is_url, redact, redact_text
 from .common import EXIT_ERROR, edge
 
 
 class TuneError(click.ClickException):
-    """A bad argument: one line, exit status 2 (not click's usage block)."""
+    """A bad argument: one line, exit status 2 (not click's usage block), every URL in it
+    redacted (click's own messages repeat a bad value whole)."""
 
     exit_code = EXIT_ERROR
 
     def show(self, file=None) -> None:
-        click.echo(f"nbd-verity: tune: {self.format_message()}", err=True)
+        click.echo(f"nbd-verity: tune: {redact_text(self.format_message())}", err=True)
 
 
 class OneLineCommand(click.Command):

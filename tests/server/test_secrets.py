@@ -273,7 +273,8 @@ SECRET_HASH = f"https://127.0.0.1:9/h.img?X-Amz-Signature={TOKEN}"
     ["dump", SECRET_HASH],
     ["format", SECRET_DATA, "/nonexistent-dir/h.img"],
     ["tune", SECRET_DATA, SECRET_HASH, ROOT_ZERO],
-], ids=["verify", "dump", "format", "tune"])
+    ["tune", "--duration", SECRET_DATA, "/d.img", "/h.img", ROOT_ZERO],
+], ids=["verify", "dump", "format", "tune", "tune-option"])
 def test_other_commands_name_urls_redacted(argv):
     """The commands that read DATA and HASH as paths refuse a URL with its one line naming
     it without the password and the token (tune: refused as a URL, not as a path made
