@@ -10,8 +10,7 @@ the other clearly cheaper:
 
 - Requests are grouped by class, size bucket (powers of two: 512 KiB up to 1 MiB, ...
   up to 32 MiB) and load: how many connections sent the last LOAD_LAST learned requests
-  within LOAD_S, this one's included (LOADS: 1, 2, 3-4, 5-8, 9-16 clients; counted at
-  most every LOAD_FRESH_S, or known at once when they were all one client's). Each load
+  within LOAD_S, this one's included (LOADS: 1, 2, 3-4, 5-8, 9-16 clients). Each load
   learns apart, so a change of load takes what that load learned before at once
   (measured: one client's 2 MiB reads after four clients' stayed on the four clients'
   inline for up to 4000 of 6000 requests, at 0.87 of the pool's throughput, while the
@@ -126,7 +125,6 @@ WATCH_S = 1.0  # ... and when their median stayed out of line this long, a trial
 WINDOW = 8  # trials EXPLORE_FAR apart: the chosen path's latest requests watched
 LOAD_LAST = 16  # a request's load: the connections among the last this-many learned requests
 LOAD_S = 0.25  # ... that started within this many seconds before it
-LOAD_FRESH_S = 0.01  # ... counted at most this often (the requests between take the last)
 LOADS = ("1", "2", "3-4", "5-8", "9-16")  # the rows per class and bucket, by those clients
 MARGIN = 1.15  # the trials overturn the rule's path when the other cost this much less
 _RUNS = (0, 1, 0)  # a trial's runs: the chosen path (0), the other (1), the chosen
@@ -212,8 +210,6 @@ class Learner:
         self._recent: deque = deque(maxlen=LOAD_LAST)  # (started, connection)
         self._last: object = None  # the connection of the last learned request, ...
         self._run = 0  # ... and how many in a row were its
-        self._level = 0  # the load last counted, ...
-        self._fresh_until = 0.0  # ... which stands until then
         self.warm_s = warm_s
         self.watch_s = watch_s
         self.cores = cores  # the pool's workers that can run at once
@@ -234,10 +230,7 @@ class Learner:
         last LOAD_LAST learned requests within LOAD_S, this one included. When they all
         came from this one (one client alone), that is known without looking at them: a
         count of the requests in a row from one connection (racy: two threads may miscount
-        it, and one request then takes one client's load). Otherwise it is counted at most
-        every LOAD_FRESH_S, the requests in between taking the last count (four clients'
-        2 MiB reads spent 4.7-9.6 µs a request counting, timed in the server, a third of
-        what the learned path's bookkeeping added to each)."""
+        it, and one request then takes one client's load)."""
         self._recent.append((now, connection))
         if connection == self._last:
             self._run = run = self._run + 1
@@ -245,13 +238,9 @@ class Learner:
                 return 0
         else:
             self._last, self._run = connection, 1
-        if now < self._fresh_until:
-            return self._level
         cutoff = now - LOAD_S
         clients = len({c for t, c in tuple(self._recent) if t >= cutoff})  # a copy: racy
-        self._level = level = min(len(LOADS) - 1, (clients - 1).bit_length())
-        self._fresh_until = now + LOAD_FRESH_S
-        return level
+        return min(len(LOADS) - 1, (clients - 1).bit_length())
 
     def choose(self, io_class: int, length: int, table_path: str, load: int = 0) -> str:
         row = self._rows[io_class][load][bucket(length)]
@@ -363,7 +352,6 @@ class Learner:
                     rows[i] = _Row(self.first)
         self._recent.clear()
         self._last, self._run = None, 0
-        self._level, self._fresh_until = 0, 0.0
 
     def snapshot(self) -> dict:
         """Per class with requests, per load (LOADS: the clients) with requests: its

@@ -10,7 +10,6 @@ sample of the pool; pinned classes and small requests never consult it."""
 
 from __future__ import annotations
 
-import itertools
 import os
 import threading
 import time
@@ -23,7 +22,6 @@ from nbd_verity.serve.learn import (
     EXPLORE,
     EXPLORE_FAR,
     LEARN_MIN,
-    LOAD_FRESH_S,
     LOAD_LAST,
     LOAD_S,
     RUN_MAX,
@@ -317,27 +315,12 @@ def test_classes_and_sizes_learn_apart():
 def test_a_requests_load_is_the_clients_of_the_last_learned_requests():
     """1, 2, 3-4, 5-8, 9-16 connections among the last LOAD_LAST within LOAD_S."""
     learner = Learner()
-    ticks = itertools.count()
-
-    def now() -> float:  # each request LOAD_FRESH_S after the last: each load counted
-        return 1.0 + next(ticks) * LOAD_FRESH_S
-
-    assert [learner.load("a", now()) for _ in range(LOAD_LAST)] == [0] * LOAD_LAST
-    assert learner.load("b", now()) == 1
-    assert [learner.load(c, now()) for c in "cd"] == [2, 2]
-    assert learner.load("e", now()) == 3
-    assert [learner.load(c, now()) for c in range(LOAD_LAST)][-1] == 4
-    assert learner.load("a", now() + LOAD_S) == 0  # the others' were too long ago
-
-
-def test_a_load_is_counted_at_most_every_load_fresh_s():
-    """Between counts a request takes the load last counted; one client's requests in a
-    row are one client's load at once."""
-    learner = Learner()
-    assert learner.load("a", 1.0) == 0
-    assert learner.load("b", 1.0 + LOAD_FRESH_S / 2) == 0  # the count of a moment ago
-    assert learner.load("c", 1.0 + LOAD_FRESH_S) == 2  # counted again: three clients
-    assert [learner.load("c", 1.0 + LOAD_FRESH_S) for _ in range(LOAD_LAST)][-1] == 0
+    assert [learner.load("a", 1.0) for _ in range(LOAD_LAST)] == [0] * LOAD_LAST
+    assert learner.load("b", 1.0) == 1
+    assert [learner.load(c, 1.0) for c in "cd"] == [2, 2]
+    assert learner.load("e", 1.0) == 3
+    assert [learner.load(c, 1.0) for c in range(LOAD_LAST)][-1] == 4
+    assert learner.load("a", 1.0 + LOAD_S + 0.01) == 0  # the others' were too long ago
 
 
 def test_loads_learn_apart():
@@ -428,7 +411,6 @@ def test_the_dispatcher_learns_per_load():
         buf = memoryview(bytearray(2 * MIB))
         for i in range(2 * (TRIAL + 1)):
             d.read(buf, 0, BE, clocks[i % 2])
-            time.sleep(LOAD_FRESH_S)  # each request's load counted anew
         time.sleep(LOAD_S + 0.01)
         for _ in range(LOAD_LAST + TRIAL + 1):
             d.read(buf, 0, BE, clocks[0])
