@@ -159,7 +159,7 @@ class Dispatcher:
         its whole cycle as its client sees it (see _learned); None: the request alone.
 
         Every microsecond of Python here is one the client waits for (a 2 MiB request's
-        learned path took 36 µs more than a pinned one's, timed around it in the server,
+        learned path took 28-37 µs more than a pinned one's, timed around it in the server,
         where a loop of the same calls takes 4.4: caches gone cold while the workers hashed
         and the thread slept). So a learned request records its connection's last sample
         (_learned) once its own path is chosen, and one sent to the pool does it while the
