@@ -468,9 +468,10 @@ def test_a_pool_request_verified_inline_for_want_of_a_worker_is_a_pool_sample():
         buf = memoryview(bytearray(2 * MIB))
         pool = d.start()
         for run in RUNS:  # the table's 256 KiB: the pool first, inline, the pool again
-            with pool.demand():  # another connection's pool request: no worker is free
-                for _ in range(run):
-                    d.read(buf, 0, BE)
+            pool.claim(0)  # another connection's pool request: no worker is free
+            for _ in range(run):
+                d.read(buf, 0, BE)
+            pool.release(0)
         assert d.busy_inline()["be"] == RUNS[0] + RUNS[2]  # the pool's runs, all inline
         assert d.stats.snapshot()["be"]["pool"]["requests"] == 0
         row = d.learner.snapshot()["be"]["loads"]["1"]["buckets"][str(2 * MIB)]

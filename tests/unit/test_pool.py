@@ -117,18 +117,21 @@ def test_workers_lower_idle_only_while_the_followed_gate_has_another_rank_open()
         pool.shutdown()
 
 
-def test_demand_takes_the_pool_only_while_cores_are_spare():
+def test_claim_takes_the_pool_only_while_cores_are_spare():
     """With 2 workers one pool-sized request at a time takes the pool; a second at the
-    same time is verified inline; with every worker busy none takes it."""
+    same time is verified inline, and takes it once the first is released; with every
+    worker busy none takes it."""
     pool = ClassPool(2)
     try:
-        with pool.demand() as first:
-            assert first is True
-            with pool.demand() as second:
-                assert second is False
+        assert pool.claim(1) is True
+        assert pool.claim(2) is False
+        pool.release(1)
+        pool.release(2)
+        assert pool.claim(3) is True
+        pool.release(3)
         release = held(pool)
-        with pool.demand() as third:
-            assert third is False
+        assert pool.claim(4) is False
+        pool.release(4)
         release.set()
     finally:
         pool.shutdown()
