@@ -161,19 +161,17 @@ class Dispatcher:
         Every microsecond of Python here is one the client waits for (a 2 MiB request's
         learned path took 28-37 µs more than a pinned one's, timed around it in the server,
         where a loop of the same calls takes 4.4: caches gone cold while the workers hashed
-        and the thread slept). So a learned request records its connection's last sample
+        and the thread slept). So a request records its connection's last learned sample
         (_learned) once its own path is chosen, and one sent to the pool does it while the
         workers verify its chunks. A trial's runs alternate paths, so each run hands out
         one request more, whose sample comes in the next run, on the other path, and is
         not counted."""
         length = len(buf)
         now = time.perf_counter()
-        pending = clock is not None and clock[0]  # this request ends the last one's cycle
+        cycle = now if clock is not None and clock[0] else None  # ends the last one's
         path = decide(self.table, io_class, length)
         if io_class in self.pinned or length < LEARN_MIN:
-            if pending:
-                self._learned(clock, now)
-            self._timed(buf, offset, io_class, path)
+            self._timed(buf, offset, io_class, path, clock, None, cycle)
             return
         load = self.learner.load(id(clock), now)
         path = self.learner.choose(io_class, length, path, load)
@@ -182,19 +180,14 @@ class Dispatcher:
             key = id(buf)  # no other request being served has this buffer
             try:
                 if pool.claim(key):
-                    self._timed(buf, offset, io_class, POOL, clock, (POOL, load),
-                                now if pending else None)
+                    self._timed(buf, offset, io_class, POOL, clock, (POOL, load), cycle)
                 else:  # the cores are taken: this thread verifies it, no queueing
                     self._busy_inline.row()[io_class] += 1
-                    if pending:
-                        self._learned(clock, now)
-                    self._timed(buf, offset, io_class, INLINE, clock, (POOL, load))
+                    self._timed(buf, offset, io_class, INLINE, clock, (POOL, load), cycle)
             finally:
                 pool.release(key)
             return
-        if pending:
-            self._learned(clock, now)
-        self._timed(buf, offset, io_class, path, clock, (INLINE, load))
+        self._timed(buf, offset, io_class, path, clock, (INLINE, load), cycle)
 
     def _learned(self, clock: list, now: float) -> None:
         """The connection's previous learned request, now that its next one has come: its
@@ -220,15 +213,18 @@ class Dispatcher:
         """learn: the path the learner chose and the load it chose at, whose sample this
         is (the pool's choice includes its requests verified inline when no worker was
         free: what choosing the pool gets the client); None: no sample. cycle: when this
-        request came, for the connection's last sample to be recorded while the pool
-        works (None: none pending)."""
+        request came, which ends the connection's last learned request's cycle: its
+        sample is recorded here before an inline read, and while the workers verify a
+        pool read's chunks (None: none pending)."""
         length = len(buf)
+        if cycle is not None and path == INLINE:
+            self._learned(clock, cycle)
         started = time.perf_counter()
         try:
             if path == INLINE:
                 self._read(buf, offset)
             else:
-                self._read_in_pool(buf, offset, io_class, clock if cycle else None, cycle)
+                self._read_in_pool(buf, offset, io_class, clock, cycle)
         finally:  # failed requests count too, and their latency
             ended = time.perf_counter()
             self.stats.record(io_class, path, length, ended - started)
@@ -243,7 +239,7 @@ class Dispatcher:
         """Split on block boundaries into chunks, verify them in parallel, wait for all.
         The first failing chunk's error (in offset order) is the request's error, as the
         inline path would have raised it first. clock and cycle: the connection's last
-        sample, recorded once the chunks are queued (read())."""
+        sample, recorded once the chunks are queued (_timed; cycle None: none)."""
         pool = self._pool or self.start()
         futures = []
         pos, end = offset, offset + len(buf)
@@ -254,7 +250,7 @@ class Dispatcher:
                 futures.append(pool.submit(io_class, self._read,
                                            buf[pos - offset:stop - offset], pos))
                 pos = stop
-            if clock is not None:
+            if cycle is not None:
                 self._learned(clock, cycle)
         finally:  # every chunk queued has ended before the buffer goes back
             error = None

@@ -208,8 +208,6 @@ class Learner:
         self.first = first
         self._rows = [[[_Row(first) for _ in range(BUCKETS)] for _ in LOADS] for _ in CLASSES]
         self._recent: deque = deque(maxlen=LOAD_LAST)  # (started, connection)
-        self._last: object = None  # the connection of the last learned request, ...
-        self._run = 0  # ... and how many in a row were its
         self.warm_s = warm_s
         self.watch_s = watch_s
         self.cores = cores  # the pool's workers that can run at once
@@ -227,17 +225,8 @@ class Learner:
 
     def load(self, connection: object, now: float) -> int:
         """A learned request's load (an index of LOADS): how many connections sent the
-        last LOAD_LAST learned requests within LOAD_S, this one included. When they all
-        came from this one (one client alone), that is known without looking at them: a
-        count of the requests in a row from one connection (racy: two threads may miscount
-        it, and one request then takes one client's load)."""
+        last LOAD_LAST learned requests within LOAD_S, this one included."""
         self._recent.append((now, connection))
-        if connection == self._last:
-            self._run = run = self._run + 1
-            if run >= LOAD_LAST:
-                return 0
-        else:
-            self._last, self._run = connection, 1
         cutoff = now - LOAD_S
         clients = len({c for t, c in tuple(self._recent) if t >= cutoff})  # a copy: racy
         return min(len(LOADS) - 1, (clients - 1).bit_length())
@@ -351,7 +340,6 @@ class Learner:
                 for i in range(len(rows)):
                     rows[i] = _Row(self.first)
         self._recent.clear()
-        self._last, self._run = None, 0
 
     def snapshot(self) -> dict:
         """Per class with requests, per load (LOADS: the clients) with requests: its
