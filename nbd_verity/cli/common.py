@@ -19,11 +19,16 @@ EXIT_ERROR = 2  # bad input: options, files, formats
 EXIT_INTERRUPTED = 130
 
 
-def fail(message: str, code: int = EXIT_ERROR):
-    """The command's one line, every URL in it redacted (a user part's password, a
+def say(message: str) -> None:
+    """One error line on stderr, every URL in it redacted (a user part's password, a
     query's token: verify, dump and tune take DATA and HASH as paths, and a URL given
-    them is named in the error as a file), and its exit status."""
+    them is named in the error as a file; click's parse errors repeat a bad value)."""
     click.echo(f"nbd-verity: {redact_text(message)}", err=True)
+
+
+def fail(message: str, code: int = EXIT_ERROR):
+    """The command's one line (say()), and its exit status."""
+    say(message)
     sys.exit(code)
 
 

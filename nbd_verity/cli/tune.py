@@ -29,18 +29,17 @@ from ..limits import MAX_REQUEST_SIZE
 from ..serve.config import parse_size, plugin_pairs
 from ..serve.ioprio import CLASSES
 from ..serve.startup import check_device
-from ..sources.remote import is_uri, is_url, redact, redact_text
-from .common import EXIT_ERROR, edge
+from ..sources.remote import is_uri, is_url, redact
+from .common import EXIT_ERROR, edge, say
 
 
 class TuneError(click.ClickException):
-    """A bad argument: one line, exit status 2 (not click's usage block), every URL in it
-    redacted (click's own messages repeat a bad value whole)."""
+    """A bad argument: one line (common.say), exit status 2 (not click's usage block)."""
 
     exit_code = EXIT_ERROR
 
     def show(self, file=None) -> None:
-        click.echo(f"nbd-verity: tune: {redact_text(self.format_message())}", err=True)
+        say(f"tune: {self.format_message()}")
 
 
 class OneLineCommand(click.Command):
