@@ -12,7 +12,7 @@ import nbd
 import pytest
 
 from nbd_verity.launch import NBDKIT
-from nbd_verity.serve.learn import COUNT, EXPLORE, MARGIN, SKIP, SKIP_MAX
+from nbd_verity.serve.learn import COUNT, EXPLORE, SKIP, SKIP_MAX
 from nbd_verity.serve.nbdkit_compat import nbdkit_version, version_text
 
 from .harness import CLASSES, ctl, one_error_line
@@ -122,13 +122,11 @@ def test_thresholds_and_stats_show_what_was_learned(servers, image):
     bucket = server.stats()["learned"]["be"]["loads"]["1"]["buckets"][str(size)]
     assert bucket["requests"] == requests and bucket["trials"] == 1, bucket
     assert bucket["choice"] in ("inline", "pool") and bucket["pool_to_inline"] > 0
-    # beyond MARGIN the trials decide; within it the rule's path: one client's 1 MiB
-    # requests (four pool chunks) take the pool where two CPUs or more can verify them
-    ratio = bucket["pool_to_inline"]
+    # a lone trial does not overturn the rule's path, whatever its verdict: one client's
+    # 1 MiB requests (four pool chunks) take the pool where two CPUs or more can verify
     table = "pool" if size > server.thresholds()["be"] else "inline"
     rule = "pool" if len(os.sched_getaffinity(0)) >= 2 else table
-    expected = "inline" if ratio > MARGIN else "pool" if ratio < 1 / MARGIN else rule
-    assert bucket["choice"] == expected, bucket
+    assert bucket["choice"] == rule, bucket
     shown = ctl(server.control, "thresholds")
     assert shown.returncode == 0, shown.stderr
     learned = [line for line in shown.stdout.splitlines() if line.startswith("learned be")]

@@ -1,6 +1,7 @@
 """The learned inline-or-pool choice (serve/learn.py): the rule's path, a trial EXPLORE
 requests in (runs of the rule's path, the other, the rule's again), then the cheaper one
-by the pool/inline ratio, with the next trial EXPLORE requests later, twice as far after
+by the pool/inline ratio once two trials agree (a lone one does not overturn the rule,
+and the next comes EXPLORE on), with the next trial EXPLORE requests later, twice as far after
 each that kept the choice (up to EXPLORE_FAR; EXPLORE_FAR once two trials in a row found
 one path far worse; EXPLORE again when the chosen path's own requests cost more than the
 other did for WATCH_S); a run's first requests not counted (the pool's first WARM_S after
@@ -57,39 +58,44 @@ def feed(learner: Learner, length: int, costs: dict, requests: int,
     return chosen
 
 
-def trial_starts(chosen: list[str], path: str) -> list[int]:
-    """Where the trials after the first (which runs the rule's path first) started, path
-    chosen before each: a run of the other amid path's."""
+def trial(path: str) -> list[str]:
+    """A trial's choices with path the chosen one: its run, the other's, its again."""
     other = POOL if path == INLINE else INLINE
-    return [i - RUNS[0] for i in range(TRIAL + 1, len(chosen))
-            if chosen[i] == other and chosen[i - 1] == path]
+    first, others, again = RUNS
+    return [path] * first + [other] * others + [path] * again
 
 
-def test_table_first_then_the_other_then_the_table_then_the_cheaper():
+def trial_starts(chosen: list[str], path: str) -> list[int]:
+    """Where the trials with path chosen started."""
+    want = trial(path)
+    return [i for i in range(len(chosen) - TRIAL + 1) if chosen[i:i + TRIAL] == want]
+
+
+def test_table_first_then_the_other_then_the_table_then_the_cheaper_once_two_agree():
+    """The first trial finds the pool cheaper: alone it does not overturn the table's
+    path, and the next comes EXPLORE on; the second agrees, and the pool is chosen."""
     learner = Learner(warm_s=0, first=0, watch_s=0)
     chosen = feed(learner, 2 * MIB, {INLINE: 0.0010, POOL: 0.0008}, TRIAL + 4 * EXPLORE)
-    first, other, again = RUNS
-    assert chosen[:TRIAL] == [INLINE] * first + [POOL] * other + [INLINE] * again
-    rest = chosen[TRIAL:]
-    at = EXPLORE - TRIAL  # the next trial: now the pool is the chosen path
-    assert rest[at:at + TRIAL] == [POOL] * first + [INLINE] * other + [POOL] * again
-    assert trial_starts(chosen, POOL) == [EXPLORE, 3 * EXPLORE]  # then twice as far
+    row = EXPLORE - TRIAL  # requests on the chosen path between trials EXPLORE apart
+    assert chosen == (trial(INLINE) + [INLINE] * row + trial(INLINE) + [POOL] * row
+                      + trial(POOL) + [POOL] * (row + EXPLORE) + trial(POOL))  # twice as far
     snap = learner.snapshot()["be"]["loads"]["1"]
     assert snap["pool_from"] == 2 * MIB
     row = snap["buckets"][str(2 * MIB)]
     assert row["choice"] == POOL and row["requests"] == TRIAL + 4 * EXPLORE
     assert row["pool_us_per_mib"] < row["inline_us_per_mib"]
-    assert abs(row["pool_to_inline"] - 0.8) < 1e-6 and row["trials"] == 3
+    assert abs(row["pool_to_inline"] - 0.8) < 1e-6 and row["trials"] == 4
+    assert row["last_trials"] == [0.8] * 3
 
 
 def test_trials_come_twice_as_far_apart_while_they_keep_the_choice():
-    """The first trial moved the choice to the pool: the next comes EXPLORE after it;
+    """The second trial moved the choice to the pool: the next comes EXPLORE after it;
     each that keeps the pool puts the next twice as far, up to EXPLORE_FAR."""
     learner = Learner(warm_s=0, first=0, watch_s=0)
     chosen = feed(learner, 2 * MIB, {INLINE: 0.0010, POOL: 0.0008}, 16 * EXPLORE)
     assert EXPLORE_FAR == 4 * EXPLORE
-    assert trial_starts(chosen, POOL) == [EXPLORE, 3 * EXPLORE, 7 * EXPLORE, 11 * EXPLORE,
-                                          15 * EXPLORE]
+    assert trial_starts(chosen, INLINE) == [0, EXPLORE]
+    assert trial_starts(chosen, POOL) == [2 * EXPLORE, 4 * EXPLORE, 8 * EXPLORE, 12 * EXPLORE]
     row = learner.snapshot()["be"]["loads"]["1"]["buckets"][str(2 * MIB)]
     assert row["trials"] == 6 and row["early_trials"] == 0
 
@@ -99,15 +105,14 @@ def test_a_change_of_load_brings_trials_explore_apart_again():
     did, so the next trial comes EXPLORE after the last, and the ones after it EXPLORE
     apart: the second moves the choice to inline (the median of the last three)."""
     learner = Learner(warm_s=0, first=0, watch_s=0)
-    feed(learner, 2 * MIB, {INLINE: 0.0010, POOL: 0.0008}, EXPLORE + TRIAL)  # kept: 2x
+    feed(learner, 2 * MIB, {INLINE: 0.0010, POOL: 0.0008}, 2 * EXPLORE + TRIAL)  # kept: 2x
     chosen = feed(learner, 2 * MIB, {INLINE: 0.0010, POOL: 0.0013}, 4 * EXPLORE)
-    first, other, again = RUNS
-    at = [n * EXPLORE - (EXPLORE + TRIAL) for n in (2, 3, 4)]  # in chosen
+    at = [n * EXPLORE - (2 * EXPLORE + TRIAL) for n in (3, 4, 5)]  # in chosen
     assert set(chosen[:at[0]]) == {POOL}
     for start in at[:2]:
-        assert chosen[start:start + TRIAL] == [POOL] * first + [INLINE] * other + [POOL] * again
+        assert chosen[start:start + TRIAL] == trial(POOL)
     assert set(chosen[at[1] + TRIAL:at[2]]) == {INLINE}
-    assert chosen[at[2]:at[2] + TRIAL] == [INLINE] * first + [POOL] * other + [INLINE] * again
+    assert chosen[at[2]:at[2] + TRIAL] == trial(INLINE)
     row = learner.snapshot()["be"]["loads"]["1"]["buckets"][str(2 * MIB)]
     assert row["choice"] == INLINE and row["early_trials"] == 1
 
@@ -119,7 +124,7 @@ def test_a_far_worse_path_is_tried_less_often_once_two_trials_in_a_row_found_it(
     learner = Learner(warm_s=0, first=0, watch_s=0)
     chosen = feed(learner, MIB, {INLINE: 0.0005, POOL: 0.0020},
                   2 * EXPLORE + 2 * EXPLORE_FAR + TRIAL)
-    assert trial_starts(chosen, INLINE) == [2 * EXPLORE, 2 * EXPLORE + EXPLORE_FAR,
+    assert trial_starts(chosen, INLINE) == [0, 2 * EXPLORE, 2 * EXPLORE + EXPLORE_FAR,
                                             2 * EXPLORE + 2 * EXPLORE_FAR]
 
 
@@ -169,7 +174,8 @@ def test_the_verdict_is_the_ratio_within_each_trial():
     mixed from different trials' moments (medians 1.1 inline, 2.0 pool: inline)."""
     learner = Learner(warm_s=0, first=0, watch_s=0)
     feed(learner, 2 * MIB, {INLINE: 0.0010, POOL: 0.0008}, EXPLORE)
-    feed(learner, 2 * MIB, {INLINE: 0.0011, POOL: 0.0020}, EXPLORE)  # one far: EXPLORE on
+    feed(learner, 2 * MIB, {INLINE: 0.0011, POOL: 0.0020}, EXPLORE)
+    # inline's cost moves (1.1 to 2.5): the watch brings the third trial at once
     feed(learner, 2 * MIB, {INLINE: 0.0025, POOL: 0.00205}, TRIAL + 8)
     row = learner.snapshot()["be"]["loads"]["1"]["buckets"][str(2 * MIB)]
     assert row["trials"] == 3 and row["pool_us_per_mib"] > row["inline_us_per_mib"], row
@@ -200,13 +206,30 @@ def test_the_rules_workers_are_those_that_can_run_at_once():
 
 def test_trials_overturn_the_rule_only_by_the_margin():
     """A trial rates the pool's requests worse than a stream of them runs (the path not
-    chosen pays for its CPUs' change): within MARGIN either way the rule's path stays."""
+    chosen pays for its CPUs' change): within MARGIN either way the rule's path stays;
+    beyond it, once two trials found it (the rule's path until the second)."""
     for load, rule, ratio, choice in ((0, POOL, 1.1, POOL), (0, POOL, 1.2, INLINE),
                                       (2, INLINE, 0.9, INLINE), (2, INLINE, 0.85, POOL)):
         learner = Learner(warm_s=0, first=0, watch_s=0, cores=2, spread=512 << 10)
-        chosen = feed(learner, 2 * MIB, {INLINE: 0.0010, POOL: 0.0010 * ratio}, TRIAL + 8,
-                      load)
-        assert chosen[0] == rule and chosen[-8:] == [choice] * 8, (load, ratio)
+        chosen = feed(learner, 2 * MIB, {INLINE: 0.0010, POOL: 0.0010 * ratio},
+                      EXPLORE + TRIAL + 8, load)
+        assert chosen[:TRIAL] == trial(rule), (load, ratio)
+        assert set(chosen[TRIAL:EXPLORE]) == {rule}, (load, ratio)
+        assert chosen[-8:] == [choice] * 8, (load, ratio)
+
+
+def test_a_lone_disturbed_trial_does_not_overturn_the_rule():
+    """One client's requests, the pool the rule's path: a trial rates the pool twice
+    inline's cost (its run disturbed). The pool stays chosen, and the next trial comes
+    EXPLORE on, not twice as far; when it finds the pool cheaper, the pool stays."""
+    learner = Learner(warm_s=0, first=0, watch_s=0, cores=2, spread=512 << 10)
+    chosen = feed(learner, 2 * MIB, {INLINE: 0.0010, POOL: 0.0021}, TRIAL)
+    chosen += feed(learner, 2 * MIB, {INLINE: 0.0010, POOL: 0.0008}, 2 * EXPLORE)
+    row = EXPLORE - TRIAL
+    assert chosen == trial(POOL) + [POOL] * row + trial(POOL) + [POOL] * (row + TRIAL)
+    row = learner.snapshot()["be"]["loads"]["1"]["buckets"][str(2 * MIB)]
+    assert row["choice"] == POOL and row["last_trials"] == [2.1, 0.8], row
+    assert row["pool_to_inline"] == 1.0  # two trials that disagree: even
 
 
 def test_a_runs_first_requests_are_not_counted():
@@ -221,7 +244,8 @@ def test_a_runs_first_requests_are_not_counted():
         learner.record(BE, 2 * MIB, POOL, 0.0500 if i < SKIP else 0.0010)
     feed(learner, 2 * MIB, {INLINE: 0.0020, POOL: 0.0010}, RUNS[2])
     row = learner.snapshot()["be"]["loads"]["1"]["buckets"][str(2 * MIB)]
-    assert row["choice"] == POOL and row["pool_us_per_mib"] < row["inline_us_per_mib"]
+    assert row["pool_to_inline"] == 0.5, row  # the first SKIP pool samples not in it
+    assert learner._rows[BE][0][bucket(2 * MIB)].samples[POOL] == [0.0010 / (2 * MIB)] * COUNT
 
 
 def test_after_a_change_of_path_the_pools_first_warm_seconds_are_not_counted():
@@ -256,7 +280,7 @@ def test_a_run_whose_samples_do_not_come_is_given_up():
 
 def test_one_disturbed_request_does_not_move_the_choice():
     learner = Learner(warm_s=0, first=0, watch_s=0)
-    feed(learner, 2 * MIB, {INLINE: 0.0010, POOL: 0.0006}, TRIAL + 8)
+    feed(learner, 2 * MIB, {INLINE: 0.0010, POOL: 0.0006}, EXPLORE + TRIAL + 8)
     assert learner.choose(BE, 2 * MIB, INLINE) == POOL
     learner.record(BE, 2 * MIB, POOL, 0.040)  # preempted once
     assert learner.snapshot()["be"]["loads"]["1"]["buckets"][str(2 * MIB)]["choice"] == POOL
@@ -264,7 +288,7 @@ def test_one_disturbed_request_does_not_move_the_choice():
 
 def test_the_choice_follows_a_change_of_load():
     learner = Learner(warm_s=0, first=0, watch_s=0)
-    feed(learner, 2 * MIB, {INLINE: 0.0010, POOL: 0.0006}, TRIAL + 8)
+    feed(learner, 2 * MIB, {INLINE: 0.0010, POOL: 0.0006}, EXPLORE + TRIAL + 8)
     assert learner.choose(BE, 2 * MIB, INLINE) == POOL
     # now the cores are taken: the pool's requests wait; inline costs what it did
     chosen = feed(learner, 2 * MIB, {INLINE: 0.0010, POOL: 0.0030}, 4 * EXPLORE)
@@ -292,14 +316,14 @@ def test_far_apart_trials_come_sooner_when_the_choice_costs_more():
 
 def test_far_apart_trials_come_sooner_when_the_choice_costs_much_less():
     """Four clients made inline far cheaper; then one is left: inline costs half what it
-    did, and the pool is cheaper now. The next trial comes EXPLORE after the last."""
+    did, and the pool is cheaper now. The next trial comes EXPLORE after the last (not
+    2 x EXPLORE), and the one after it EXPLORE on agrees: the pool."""
     learner = Learner(warm_s=0, first=0, watch_s=0)
     feed(learner, 2 * MIB, {INLINE: 0.0040, POOL: 0.0080}, TRIAL + 8)  # inline, far
-    chosen = feed(learner, 2 * MIB, {INLINE: 0.0018, POOL: 0.0015}, EXPLORE)
+    chosen = feed(learner, 2 * MIB, {INLINE: 0.0018, POOL: 0.0015}, 2 * EXPLORE)
     at = EXPLORE - (TRIAL + 8)
-    assert chosen[:at] == [INLINE] * at
-    assert chosen[at:at + TRIAL] == [INLINE] * RUNS[0] + [POOL] * RUNS[1] + [INLINE] * RUNS[2]
-    assert set(chosen[at + TRIAL:]) == {POOL}
+    assert chosen == ([INLINE] * at + trial(INLINE) + [INLINE] * (EXPLORE - TRIAL)
+                      + trial(INLINE) + [POOL] * 8)
     row = learner.snapshot()["be"]["loads"]["1"]["buckets"][str(2 * MIB)]
     assert row["early_trials"] == 1 and row["choice"] == POOL
 
@@ -329,8 +353,8 @@ def test_loads_learn_apart():
     learner = Learner(warm_s=0, first=0, watch_s=0)
     four, one = 2, 0
     feed(learner, 2 * MIB, {INLINE: 0.0010, POOL: 0.0015}, TRIAL + 8, four)
-    assert feed(learner, 2 * MIB, {INLINE: 0.0010, POOL: 0.0008}, TRIAL + 8, one)[-8:] \
-        == [POOL] * 8
+    assert feed(learner, 2 * MIB, {INLINE: 0.0010, POOL: 0.0008}, EXPLORE + TRIAL + 8,
+                one)[-8:] == [POOL] * 8
     assert feed(learner, 2 * MIB, {INLINE: 0.0010, POOL: 0.0015}, 8, four) == [INLINE] * 8
     loads = learner.snapshot()["be"]["loads"]
     assert {name: r["buckets"][str(2 * MIB)]["choice"] for name, r in loads.items()} == {
