@@ -33,6 +33,7 @@ many processes of its own: the "no workload slower than before" column.
 
 from __future__ import annotations
 
+import argparse
 import os
 import random
 import signal
@@ -266,13 +267,21 @@ def report(qos: dict, dispatch: dict, rounds: int) -> None:
 
 
 def main(argv: list[str]) -> int:
-    baseline_dir = None
-    if "--baseline" in argv:
-        at = argv.index("--baseline")
-        baseline_dir = Path(argv[at + 1]).resolve()
-        argv = argv[:at] + argv[at + 2:]
-    rounds = int(argv[1]) if len(argv) > 1 else 3
-    seconds = float(argv[2]) if len(argv) > 2 else 5.0
+    parser = argparse.ArgumentParser(
+        prog="bench/qos.py",
+        description="Classes that mean priority, and the dispatch under load.")
+    parser.add_argument("rounds", nargs="?", type=int, default=3)
+    parser.add_argument("seconds", nargs="?", type=float, default=5.0,
+                        help="seconds of each measurement per round")
+    parser.add_argument("--baseline", type=Path, metavar="DIR",
+                        help="a checkout of an earlier main, extensions built in place")
+    args = parser.parse_args(argv[1:])
+    if args.rounds < 1 or args.seconds <= 0:
+        parser.error("rounds must be 1 or more and seconds over 0")
+    if args.baseline is not None and not (args.baseline / "nbd_verity").is_dir():
+        parser.error(f"--baseline {args.baseline}: not a checkout (no nbd_verity/ in it)")
+    rounds, seconds = args.rounds, args.seconds
+    baseline_dir = None if args.baseline is None else args.baseline.resolve()
     image = images.random_image(SIZE)
     images.warm(image.data)
     images.warm(image.hash)
