@@ -23,7 +23,11 @@ byte is served. What this module adds is the failure model of a network:
   advertises multi-conn (NBD_FLAG_CAN_MULTI_CONN); otherwise one connection, which
   requests take in turn. The bound is nbdkit's default of 16 threads per client: a handle
   per busy thread, none for idle ones (docs/benchmarks.md, "Connections to an NBD
-  source", has the measurements).
+  source", has the measurements);
+- a connection idle for IDLE_S is closed (by a thread of the pool's, started with the
+  first read in the process that serves): an upstream stopped with SIGTERM while nobody
+  read cannot exit while we hold its connection, and one that is not stopping costs a
+  handshake at the next read.
 
 The pool's lock guards the idle list, the number of open connections and the counters;
 it is never held during I/O.
@@ -34,6 +38,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import errno
+import os
 import re
 import threading
 import time
@@ -50,6 +55,7 @@ DEFAULT_CONNECTIONS = 16  # pool bound with multi-conn: nbdkit's threads per cli
 READ_TIMEOUT_S = 60.0  # a read taking longer is an error and its connection is dropped
 DRAIN_S = 5.0  # after an ESHUTDOWN, connections are not kept idle for this long
 POLL_SLICE_MS = 250  # libnbd poll timeout per wait, so the deadline and stopping() are checked
+IDLE_S = 5.0  # a connection idle this long is closed (one stopping upstream exits then)
 
 
 def is_uri(text: str) -> bool:
@@ -145,7 +151,7 @@ class NbdSource:
         self.reconnects = 0  # connections opened to replace a dropped one
         self._lock = threading.Lock()
         self._free = threading.Condition(self._lock)
-        self._idle: list = []
+        self._idle: list = []  # (handle, idle since, monotonic), the newest last
         self._open = 0  # connections in existence (idle or in use)
         self._dropped = False  # a connection was lost since the last one was opened
         self._drain_until = 0.0  # after an ESHUTDOWN: keep no connection idle until then
@@ -155,7 +161,9 @@ class NbdSource:
         self.max_connections = max(1, connections) if self.multi_conn else 1
         self._max_read = _max_read_size(first)
         self._open = 1
-        self._idle.append(first)
+        self._idle.append((first, time.monotonic()))
+        self._closed = threading.Event()
+        self._reaper_pid = 0  # the process whose reaper thread runs (none survives a fork)
 
     # -- connections ------------------------------------------------------------------
 
@@ -197,7 +205,7 @@ class NbdSource:
             while not self._idle and self._open >= self.max_connections:
                 self._free.wait()
             if self._idle:
-                return self._idle.pop()
+                return self._idle.pop()[0]
             self._open += 1
             replacing = self._dropped
             self._dropped = False
@@ -228,8 +236,28 @@ class NbdSource:
                 self._open -= 1
                 self._dropped = True
             else:
-                self._idle.append(h)
+                self._idle.append((h, time.monotonic()))
             self._free.notify()
+        if self._reaper_pid != os.getpid() and not self._closed.is_set():
+            self._reaper_pid = os.getpid()
+            threading.Thread(target=self._reap, name="nbd-source-idle", daemon=True).start()
+
+    def _reap(self) -> None:
+        """Close the connections idle for IDLE_S, until close()."""
+        while not self._closed.wait(IDLE_S / 4):
+            stale = self.close_idle(time.monotonic() - IDLE_S)
+            for h in stale:
+                _close(h)
+
+    def close_idle(self, before: float) -> list:
+        """Take the connections idle since before from the pool; the caller closes them."""
+        with self._free:
+            stale = [h for h, since in self._idle if since <= before]
+            if stale:
+                self._idle = [(h, since) for h, since in self._idle if since > before]
+                self._open -= len(stale)
+                self._free.notify(len(stale))  # a waiter may open one in their place
+        return stale
 
     # -- ImageFile's interface --------------------------------------------------------
 
@@ -298,10 +326,8 @@ class NbdSource:
             self.source_errors = self.reconnects = 0
 
     def close(self) -> None:
-        with self._free:
-            idle, self._idle = self._idle, []
-            self._open -= len(idle)
-        for h in idle:
+        self._closed.set()
+        for h in self.close_idle(float("inf")):
             _close(h)
 
 

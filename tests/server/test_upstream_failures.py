@@ -12,12 +12,15 @@ import errno
 import os
 import signal
 import socket
+import subprocess
 import threading
 import time
 from dataclasses import replace
 
 import nbd
 import pytest
+
+from nbd_verity.sources.remote import IDLE_S
 
 from .serverlib import (
     MIB,
@@ -131,6 +134,26 @@ def test_sigterm_stops_the_server_while_a_read_waits_on_a_stalled_upstream(
         assert cookie
     finally:
         silent.close()
+
+
+def test_an_upstream_stopped_with_sigterm_while_nobody_reads_exits(image, upstream,
+                                                                   servers, sockdir):
+    """nbdkit cannot exit while a client holds its connection: ours, idle after a read,
+    is closed after IDLE_S, so the stopping upstream exits without waiting for a next
+    read; that read is then served by the upstream restarted on the same socket."""
+    server, control = start_verifier(servers, image, upstream, sockdir)
+    h = server.connect()
+    assert h.pread(CHUNK, 0) == image.expected(0, CHUNK)
+    old = upstream.proc
+    old.send_signal(signal.SIGTERM)
+    try:
+        old.wait(IDLE_S * 2 + 10)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the upstream held by an idle connection never exited: {server.log()}")
+    upstream.start()
+    assert h.pread(CHUNK, CHUNK) == image.expected(CHUNK, CHUNK)
+    counts = totals(control)
+    assert counts["source_errors"] == 0 and counts["corruptions"] == 0, counts
 
 
 def test_an_upstream_stopped_with_sigterm_is_replaced(image, upstream, servers, sockdir):
