@@ -238,18 +238,20 @@ class NbdSource:
             else:
                 self._idle.append((h, time.monotonic()))
             self._free.notify()
-        if self._reaper_pid != os.getpid() and not self._closed.is_set():
-            self._reaper_pid = os.getpid()
+            reaper = self._reaper_pid != os.getpid() and not self._closed.is_set()
+            if reaper:  # the first give-back in this process starts its one reaper
+                self._reaper_pid = os.getpid()
+        if reaper:
             threading.Thread(target=self._reap, name="nbd-source-idle", daemon=True).start()
 
     def _reap(self) -> None:
         """Close the connections idle for IDLE_S, until close()."""
         while not self._closed.wait(IDLE_S / 4):
-            stale = self.close_idle(time.monotonic() - IDLE_S)
+            stale = self._take_idle(time.monotonic() - IDLE_S)
             for h in stale:
                 _close(h)
 
-    def close_idle(self, before: float) -> list:
+    def _take_idle(self, before: float) -> list:
         """Take the connections idle since before from the pool; the caller closes them."""
         with self._free:
             stale = [h for h, since in self._idle if since <= before]
@@ -327,7 +329,7 @@ class NbdSource:
 
     def close(self) -> None:
         self._closed.set()
-        for h in self.close_idle(float("inf")):
+        for h in self._take_idle(float("inf")):
             _close(h)
 
 
