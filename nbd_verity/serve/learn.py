@@ -304,6 +304,8 @@ class Learner:
         row.stage = -1
         inline, pool = _trimmed_mean(row.samples[INLINE]), _trimmed_mean(row.samples[POOL])
         row.trials.append({INLINE: inline, POOL: pool})
+        # each path's cost, which the watch holds the chosen path to: the median of three,
+        # of two the newer's (a change of load shows at once)
         recent = list(row.trials)[-1:] if len(row.trials) == 2 else list(row.trials)
         row.costs = {p: sorted(t[p] for t in recent)[len(recent) // 2] for p in (INLINE, POOL)}
         row.ratio = _verdict([_ratio(t) for t in row.trials])
