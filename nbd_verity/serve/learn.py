@@ -10,8 +10,9 @@ the other clearly cheaper:
 
 - Requests are grouped by class, size bucket (powers of two: 512 KiB up to 1 MiB, ...
   up to 32 MiB) and load: how many connections sent the last LOAD_LAST learned requests
-  within LOAD_S, this one's included (LOADS: 1, 2, 3-4, 5-8, 9-16 clients). Each load
-  learns apart, so a change of load takes what that load learned before at once
+  within LOAD_S, this one's included (LOADS: 1, 2, 3-4, 5-8, 9-16 clients; counted
+  again LOAD_FRESH_S after the last count, or at once for a connection not in it).
+  Each load learns apart, so a change of load takes what that load learned before at once
   (measured: one client's 2 MiB reads after four clients' stayed on the four clients'
   inline for up to 4000 of 6000 requests, at 0.87 of the pool's throughput, while the
   buckets were per size alone).
@@ -78,6 +79,10 @@ the other clearly cheaper:
   not a change of load (measured: in 8 s of one client's 2 MiB reads the watch of the
   median alone brought an early trial in each of 11 processes, on bursts of requests at
   3 to 4 times their cost, CPU steal or a neighbour; held for a second, none in eight).
+  A pause of QUIET_S starts the watch afresh: a client that stops and starts again is
+  not a held change of load (measured: eight clients' 512 KiB reads in the bench's 1 s
+  slices, seconds apart, brought 3-10 early trials per process in 50 s of reads with
+  the spell kept across pauses, none without).
 - Why trials, not the cost of each path's latest requests: the machine's speed drifts
   from second to second (CPU steal from other guests comes in bursts of seconds: one
   second of one client's 2 MiB reads ran 316 MB/s, the next 1230 on the same path),
