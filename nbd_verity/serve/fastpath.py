@@ -11,19 +11,20 @@ one read_verify call, passing the leaf whole with the slot's offset (no slice), 
 counts what the general path would have counted.
 
 Anything else returns False having counted nothing (but a learned request's choice,
-below), and the request takes the general
-path (device.Connection.read), which stays the reference: a request that fails here (a
-mismatch, a short read) is done again there from the start, so its bytes, its error and
-its counters are the general path's own. What the fast path counts (ctl stats) equals
-the general path's for the same request: one cache hit, the blocks verified, one inline
-request of its class and its bytes. Latency is sampled: one request in SAMPLE_EVERY per
-thread is timed (the first one included), where the general path times every request.
+below), and the request takes the general path (device.Connection.read), which stays
+the reference: a request that fails here (a mismatch, a short read) is done again there
+from the start, so its bytes, its error and its counters are the general path's own.
+What the fast path counts (ctl stats) equals the general path's for the same request:
+one cache hit, the blocks verified, one inline request of its class and its bytes.
+Latency is sampled: one request in SAMPLE_EVERY per thread is timed (the first one
+included), where the general path times every request.
 A learned request is chosen here as Dispatcher.read would choose it, and counted once:
 inline is served and timed here (its cost is the learner's sample, so every one is
 timed), and the pool's (or an inline read that failed here) goes to the general path
-with its choice handed on (Dispatcher.hand_on), so that it is not chosen twice. Measured:
-eight clients' 512 KiB reads over a calibrated 256 KiB ran 0.88-0.91 of the same server
-pinned all inline while the fast path took only requests within the threshold.
+with its choice handed on (Dispatcher.hand_on), so that it is not chosen twice.
+Measured: eight clients' 512 KiB reads over a calibrated 256 KiB ran 0.88-0.91 of the
+same server pinned all inline while the fast path took only requests within the
+threshold, 0.94 once it took learned ones (docs/benchmarks.md, run O).
 
 Counts go into the per-thread rows of the same Tallies the general path uses (tally.py),
 fetched once per thread and kept by thread ident, so a request does one dict look-up and
