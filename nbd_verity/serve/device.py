@@ -255,8 +255,8 @@ class Connection:
         self.io_class = device.default_class if io_class is None else io_class
         self.readahead = (Readahead(device.verifier, device.config.readahead_min_size)
                           if device.readahead else None)
-        self.fast = fastpath.bind(self)
         self.clock = [0.0, 0.0, 0, None, 0]  # its last learned request (Dispatcher.read)
+        self.fast = fastpath.bind(self)  # after clock, which it holds
 
     @classmethod
     def open(cls, device: Device) -> Connection:

@@ -35,6 +35,7 @@ import os
 import threading
 import time
 from collections import deque
+from threading import get_ident
 
 from ..control.table import CLASSES, INLINE, POOL
 from .learn import LEARN_MIN, Learner
@@ -129,6 +130,9 @@ class Dispatcher:
         self._pool: ClassPool | None = None
         self._shared_pool = shared_pool  # a many-export server's: () -> its one pool
         self._start_lock = threading.Lock()
+        # per thread: a learned request whose path the fast path chose and could not
+        # serve (the pool's, or a failed read): (offset, length, path, load, came)
+        self._handed: dict[int, tuple] = {}
 
     def start(self) -> ClassPool:
         """Create the pool (after nbdkit forked: threads do not survive a fork), or take
@@ -156,25 +160,30 @@ class Dispatcher:
     def read(self, buf: memoryview, offset: int, io_class: int,
              clock: list | None = None) -> None:
         """clock: the connection's (Connection.clock), so that a learned request's cost is
-        its whole cycle as its client sees it (see _learned); None: the request alone.
+        its whole cycle as its client sees it (see learned); None: the request alone.
 
         Every microsecond of Python here is one the client waits for (a 2 MiB request's
         learned path took 28-37 µs more than a pinned one's, timed around it in the server,
         where a loop of the same calls takes 4.4: caches gone cold while the workers hashed
         and the thread slept). So a request records its connection's last learned sample
-        (_learned) once its own path is chosen, and one sent to the pool does it while the
+        (learned) once its own path is chosen, and one sent to the pool does it while the
         workers verify its chunks. A trial's runs alternate paths, so each run hands out
         one request more, whose sample comes in the next run, on the other path, and is
         not counted."""
         length = len(buf)
-        now = time.perf_counter()
-        cycle = now if clock is not None and clock[0] else None  # ends the last one's
-        path = decide(self.table, io_class, length)
-        if io_class in self.pinned or length < LEARN_MIN:
-            self._timed(buf, offset, io_class, path, clock, None, cycle)
-            return
-        load = self.learner.load(id(clock), now)
-        path = self.learner.choose(io_class, length, path, load)
+        handed = self._handed.pop(get_ident(), None) if self._handed else None
+        if handed is not None and handed[0] == offset and handed[1] == length:
+            _, _, path, load, now = handed  # chosen by the fast path: not chosen twice
+            cycle = now if clock is not None and clock[0] else None
+        else:
+            now = time.perf_counter()
+            cycle = now if clock is not None and clock[0] else None  # ends the last one's
+            path = decide(self.table, io_class, length)
+            if io_class in self.pinned or length < LEARN_MIN:
+                self._timed(buf, offset, io_class, path, clock, None, cycle)
+                return
+            load = self.learner.load(id(clock), now)
+            path = self.learner.choose(io_class, length, path, load)
         if path == POOL:
             pool = self._pool or self.start()
             key = id(buf)  # no other request being served has this buffer
@@ -189,7 +198,14 @@ class Dispatcher:
             return
         self._timed(buf, offset, io_class, path, clock, (INLINE, load), cycle)
 
-    def _learned(self, clock: list, now: float) -> None:
+    def hand_on(self, offset: int, length: int, path: str, load: int, came: float) -> None:
+        """The fast path chose a learned request's path (learn.py) and leaves it to read():
+        the pool's, or an inline read that failed there (fastpath.py). This thread's next
+        read() takes that choice instead of choosing again (a second choice would count
+        the request twice in its trial)."""
+        self._handed[get_ident()] = (offset, length, path, load, came)
+
+    def learned(self, clock: list, now: float) -> None:
         """The connection's previous learned request, now that its next one has come: its
         cost is the time from its start to this one's (what its client waited for: the
         verification, the reply's copies out of nbdkit and into the client, and the next
@@ -218,7 +234,7 @@ class Dispatcher:
         pool read's chunks (None: none pending)."""
         length = len(buf)
         if cycle is not None and path == INLINE:
-            self._learned(clock, cycle)
+            self.learned(clock, cycle)
         started = time.perf_counter()
         try:
             if path == INLINE:
@@ -251,7 +267,7 @@ class Dispatcher:
                                            buf[pos - offset:stop - offset], pos))
                 pos = stop
             if cycle is not None:
-                self._learned(clock, cycle)
+                self.learned(clock, cycle)
         finally:  # every chunk queued has ended before the buffer goes back
             error = None
             for future in futures:

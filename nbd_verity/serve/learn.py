@@ -10,8 +10,9 @@ the other clearly cheaper:
 
 - Requests are grouped by class, size bucket (powers of two: 512 KiB up to 1 MiB, ...
   up to 32 MiB) and load: how many connections sent the last LOAD_LAST learned requests
-  within LOAD_S, this one's included (LOADS: 1, 2, 3-4, 5-8, 9-16 clients). Each load
-  learns apart, so a change of load takes what that load learned before at once
+  within LOAD_S, this one's included (LOADS: 1, 2, 3-4, 5-8, 9-16 clients; counted
+  again LOAD_FRESH_S after the last count, or at once for a connection not in it).
+  Each load learns apart, so a change of load takes what that load learned before at once
   (measured: one client's 2 MiB reads after four clients' stayed on the four clients'
   inline for up to 4000 of 6000 requests, at 0.87 of the pool's throughput, while the
   buckets were per size alone).
@@ -25,7 +26,7 @@ the other clearly cheaper:
   clients than workers) and the request spans two of them, inline when every worker
   has a client; otherwise the table's path.
 - A request's cost is its cycle as its client sees it: from its start
-  to the start of the same connection's next request (dispatch.py, Dispatcher._learned),
+  to the start of the same connection's next request (dispatch.py, Dispatcher.learned),
   in seconds per byte, under whatever load there is.
 - A trial is three runs: the chosen path, the other, the chosen again, each until it
   has COUNT / 2, COUNT and COUNT / 2 samples counted, so that the chosen path's samples
@@ -78,6 +79,10 @@ the other clearly cheaper:
   not a change of load (measured: in 8 s of one client's 2 MiB reads the watch of the
   median alone brought an early trial in each of 11 processes, on bursts of requests at
   3 to 4 times their cost, CPU steal or a neighbour; held for a second, none in eight).
+  A pause of QUIET_S starts the watch afresh: a client that stops and starts again is
+  not a held change of load (measured: eight clients' 512 KiB reads in the bench's 1 s
+  slices, seconds apart, brought 3-10 early trials per process in 50 s of reads with
+  the spell kept across pauses, none without).
 - Why trials, not the cost of each path's latest requests: the machine's speed drifts
   from second to second (CPU steal from other guests comes in bursts of seconds: one
   second of one client's 2 MiB reads ran 316 MB/s, the next 1230 on the same path),
@@ -129,8 +134,10 @@ TRIALS = 3  # the verdict: the ratio two of the last this-many trials reach
 TRIM = 0.125  # a run's cost: the mean of its samples but this share of the costliest
 WATCH_S = 1.0  # ... and when their median stayed out of line this long, a trial sooner
 WINDOW = 8  # trials EXPLORE_FAR apart: the chosen path's latest requests watched
+QUIET_S = 0.25  # ... and after a pause this long, watched afresh (the pause is no load)
 LOAD_LAST = 16  # a request's load: the connections among the last this-many learned requests
-LOAD_S = 0.25  # ... that started within this many seconds before it
+LOAD_S = 0.25  # ... that started within this many seconds before it, counted again
+LOAD_FRESH_S = 0.01  # ... this long after the last count, or for a connection not in it
 LOADS = ("1", "2", "3-4", "5-8", "9-16")  # the rows per class and bucket, by those clients
 MARGIN = 1.15  # the trials overturn the rule's path when the other cost this much less
 _RUNS = (0, 1, 0)  # a trial's runs: the chosen path (0), the other (1), the chosen
@@ -195,7 +202,7 @@ class _Row:
 
     __slots__ = ("agreed", "choice", "costs", "counted", "early", "handed", "next_trial",
                  "off_since", "path", "ratio", "requests", "rule", "run_start", "samples",
-                 "seen", "stage", "steady", "trial_start", "trials", "tried")
+                 "seen", "stage", "steady", "trial_start", "trials", "tried", "watched")
 
     def __init__(self, first: int) -> None:
         self.choice: str | None = None  # None: before its first request
@@ -219,6 +226,7 @@ class _Row:
                          # the load changed since the last, the next one does not count)
         self.steady: deque = deque(maxlen=WINDOW)  # the choice's, since the last trial
         self.off_since: float | None = None  # since when their median is out of line
+        self.watched = 0.0  # when the last of them started
 
 
 class Learner:
@@ -231,6 +239,7 @@ class Learner:
         self.first = first
         self._rows = [[[_Row(first) for _ in range(BUCKETS)] for _ in LOADS] for _ in CLASSES]
         self._recent: deque = deque(maxlen=LOAD_LAST)  # (started, connection)
+        self._count: tuple = (float("-inf"), frozenset(), 0)  # (when, connections, load)
         self.warm_s = warm_s
         self.watch_s = watch_s
         self.cores = cores  # the pool's workers that can run at once
@@ -248,11 +257,20 @@ class Learner:
 
     def load(self, connection: object, now: float) -> int:
         """A learned request's load (an index of LOADS): how many connections sent the
-        last LOAD_LAST learned requests within LOAD_S, this one included."""
+        last LOAD_LAST learned requests within LOAD_S, this one included. Counted at
+        most LOAD_FRESH_S ago (a new connection at once): the count costs a few
+        microseconds, which every learned request paid while its load stayed the same
+        (the fast path's 512 KiB reads from eight clients: 0.96 of all inline with no
+        trials, for the learner's bookkeeping alone)."""
         self._recent.append((now, connection))
+        when, clients, level = self._count
+        if 0 <= now - when < LOAD_FRESH_S and connection in clients:
+            return level
         cutoff = now - LOAD_S
-        clients = len({c for t, c in tuple(self._recent) if t >= cutoff})  # a copy: racy
-        return min(len(LOADS) - 1, (clients - 1).bit_length())
+        clients = frozenset(c for t, c in tuple(self._recent) if t >= cutoff)  # a copy: racy
+        level = min(len(LOADS) - 1, (len(clients) - 1).bit_length())
+        self._count = (now, clients, level)  # one assignment: a reader sees all or none
+        return level
 
     def choose(self, io_class: int, length: int, table_path: str, load: int = 0) -> str:
         row = self._rows[io_class][load][bucket(length)]
@@ -328,12 +346,19 @@ class Learner:
             mine = row.costs[path]
             if path == row.choice and mine is not None and (
                     row.next_trial > row.trial_start + EXPLORE):
-                row.steady.append(seconds / length)
+                now = started if started is not None else time.perf_counter()
+                if now - row.watched > QUIET_S:  # a pause: what came before it is gone
+                    row.steady.clear()
+                    row.off_since = None
+                row.watched = now
+                cost = seconds / length
+                row.steady.append(cost)
+                if row.off_since is None and mine / FAR <= cost <= FAR * mine:
+                    return  # in line, as the median was: not taken (sorting costs)
                 cost = _median(list(row.steady)) if len(row.steady) == WINDOW else None
                 if cost is None or mine / FAR <= cost <= FAR * mine:
                     row.off_since = None
                     return
-                now = started if started is not None else time.perf_counter()
                 if row.off_since is None:
                     row.off_since = now
                 if now - row.off_since >= self.watch_s:  # held out of line: not a burst
@@ -368,6 +393,7 @@ class Learner:
                 for i in range(len(rows)):
                     rows[i] = _Row(self.first)
         self._recent.clear()
+        self._count = (float("-inf"), frozenset(), 0)
 
     def snapshot(self) -> dict:
         """Per class with requests, per load (LOADS: the clients) with requests: its

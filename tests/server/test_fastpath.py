@@ -15,7 +15,8 @@ import random
 import nbd
 import pytest
 
-from nbd_verity.errors import VerityError
+from nbd_verity.control.table import CLASSES
+from nbd_verity.errors import CorruptionError, VerityError
 from nbd_verity.format import digest
 from nbd_verity.serve.config import config_from_pairs
 from nbd_verity.serve.device import Connection, Device
@@ -139,6 +140,87 @@ def test_options_that_change_the_success_path_turn_it_off(default_image, monkeyp
     dev = Device(config_from_pairs(pairs))
     try:
         assert Connection(dev).fast is never
+    finally:
+        dev.close()
+
+
+def unpinned(image, monkeypatch, **keys) -> Device:
+    """A device whose classes nobody pinned, at a table under one leaf's span: an aligned
+    request of LEAF_SPAN is the learner's (serve/learn.py: two pool chunks)."""
+    dev = device(image, monkeypatch, **keys)
+    dev.dispatcher.set_table((LEAF_SPAN // 2,) * len(CLASSES), pinned=frozenset())
+    if dev.dispatcher.learner.rule(1, LEAF_SPAN, "pool") != "inline":
+        dev.close()  # a skip, not a pass: with one CPU the rule never chooses inline
+        pytest.skip("the rule takes the pool for two clients with one CPU")
+    return dev
+
+
+def learned_requests(dev: Device, io_class: int) -> dict[str, int]:
+    """The learner's requests of LEAF_SPAN per load (the clients: '1', '2', ...)."""
+    loads = dev.stats()["learned"].get(CLASSES[io_class], {}).get("loads", {})
+    return {load: row["buckets"][str(LEAF_SPAN)]["requests"] for load, row in loads.items()}
+
+
+def test_a_learned_request_takes_the_fast_path_when_its_choice_is_inline(default_image,
+                                                                          monkeypatch):
+    """One client alone: the rule's pool, handed on to the general path with the choice
+    made (counted once). Two at once: inline, answered by the fast path, timed and
+    counted as the general path would (the learner's request, its sample's clock)."""
+    dev = unpinned(default_image, monkeypatch)
+    try:
+        a, b = Connection(dev), Connection(dev)
+        a.read(memoryview(bytearray(4096)), 0)  # the general path caches leaf 0
+        buf = bytearray(LEAF_SPAN)
+        assert not a.fast(buf, 0)  # one client: the pool's
+        a.read(memoryview(buf), 0)
+        assert buf == default_image.expected(0, LEAF_SPAN)
+        for conn in (b, a) * 5:  # two clients: inline
+            buf = bytearray(LEAF_SPAN)
+            assert conn.fast(buf, 0)
+            assert buf == default_image.expected(0, LEAF_SPAN)
+            assert conn.clock[2:4] == [LEAF_SPAN, ("inline", 1)]
+        assert learned_requests(dev, a.io_class) == {"1": 1, "2": 10}
+        paths = dev.stats()["classes"][CLASSES[a.io_class]]
+        assert (paths["inline"]["requests"], paths["pool"]["requests"]) == (1 + 10, 1)
+        assert paths["inline"]["bytes"] == 4096 + 10 * LEAF_SPAN
+        assert dev.stats()["totals"]["data_blocks_verified"] == 1 + 11 * (LEAF_SPAN // 4096)
+    finally:
+        dev.close()
+
+
+def test_a_pinned_class_over_its_threshold_never_takes_the_fast_path(default_image,
+                                                                     monkeypatch):
+    dev = unpinned(default_image, monkeypatch)
+    try:
+        a, b = Connection(dev), Connection(dev)
+        dev.dispatcher.set_table(dev.dispatcher.table, pinned=frozenset({a.io_class}))
+        a.read(memoryview(bytearray(4096)), 0)
+        for conn in (a, b) * 2:
+            buf = bytearray(LEAF_SPAN)
+            assert not conn.fast(buf, 0)
+            conn.read(memoryview(buf), 0)
+            assert buf == default_image.expected(0, LEAF_SPAN)
+        assert learned_requests(dev, a.io_class) == {}
+        assert dev.stats()["classes"][CLASSES[a.io_class]]["pool"]["requests"] == 4
+    finally:
+        dev.close()
+
+
+def test_a_learned_request_that_fails_on_the_fast_path_is_chosen_once(damaged, monkeypatch):
+    """Leaf 0's span holds a corrupted block: the fast path's inline read fails, and the
+    general path reads it again on the path chosen, to the same error."""
+    dev = unpinned(damaged, monkeypatch)
+    try:
+        a, b = Connection(dev), Connection(dev)
+        a.read(memoryview(bytearray(4096)), 0)  # block 0 is sound: leaf 0 cached
+        for conn in (a, b):  # the pool's (one client), then inline's (two)
+            buf = bytearray(LEAF_SPAN)
+            assert not conn.fast(buf, 0)
+            with pytest.raises(CorruptionError, match="data block 5"):
+                conn.read(memoryview(buf), 0)
+        assert learned_requests(dev, a.io_class) == {"1": 1, "2": 1}
+        paths = dev.stats()["classes"][CLASSES[a.io_class]]
+        assert (paths["inline"]["requests"], paths["pool"]["requests"]) == (1 + 1, 1)
     finally:
         dev.close()
 

@@ -23,11 +23,14 @@ from nbd_verity.serve.learn import (
     EXPLORE,
     EXPLORE_FAR,
     LEARN_MIN,
+    LOAD_FRESH_S,
     LOAD_LAST,
     LOAD_S,
+    QUIET_S,
     RUN_MAX,
     SKIP,
     SKIP_MAX,
+    WATCH_S,
     WINDOW,
     Learner,
     bucket,
@@ -326,6 +329,43 @@ def test_far_apart_trials_come_sooner_when_the_choice_costs_much_less():
                       + trial(INLINE) + [POOL] * 8)
     row = learner.snapshot()["be"]["loads"]["1"]["buckets"][str(2 * MIB)]
     assert row["early_trials"] == 1 and row["choice"] == POOL
+
+
+def feed_at(learner: Learner, costs: dict, start: float, seconds: float,
+            every: float = 0.01) -> None:
+    """One client's 2 MiB requests, one every `every` seconds from start for seconds."""
+    for i in range(round(seconds / every)):
+        path = learner.choose(BE, 2 * MIB, INLINE)
+        learner.record(BE, 2 * MIB, path, costs[path], started=start + i * every)
+
+
+def test_a_pause_starts_the_watch_afresh():
+    """The chosen path out of line for less than WATCH_S, a pause of QUIET_S and more, and
+    again for less than WATCH_S: no trial sooner (the two spells are not one); held out
+    of line past WATCH_S after it, one."""
+    learner = Learner(warm_s=0, first=0, watch_s=WATCH_S)
+    feed(learner, 2 * MIB, {INLINE: 0.0030, POOL: 0.0010}, EXPLORE + TRIAL + 8)  # far, twice
+    dearer = {INLINE: 0.0030, POOL: 0.0030}  # the pool's now three times its trials'
+
+    def early() -> int:
+        return learner.snapshot()["be"]["loads"]["1"]["buckets"][str(2 * MIB)]["early_trials"]
+
+    start = time.perf_counter() + 10
+    spell = 0.6 * WATCH_S
+    feed_at(learner, dearer, start, spell)
+    feed_at(learner, dearer, start + spell + 2 * QUIET_S, spell)
+    assert early() == 0
+    feed_at(learner, dearer, start + 2 * spell + 2 * QUIET_S, spell)  # no pause: held
+    assert early() == 1
+
+
+def test_a_load_counted_moments_ago_stands_for_a_connection_in_it():
+    """The load is counted again LOAD_FRESH_S after the last count, or at once for a
+    connection not in it: within that, a connection's own requests keep the count."""
+    learner = Learner()
+    assert [learner.load(c, 1.0) for c in "ab"] == [0, 1]
+    assert [learner.load("a", 1.0) for _ in range(LOAD_LAST)][-1] == 1  # b's gone, not yet
+    assert learner.load("a", 1.0 + LOAD_FRESH_S) == 0  # counted again: a alone
 
 
 def test_classes_and_sizes_learn_apart():
