@@ -18,13 +18,17 @@ What the fast path counts (ctl stats) equals the general path's for the same req
 one cache hit, the blocks verified, one inline request of its class and its bytes.
 Latency is sampled: one request in SAMPLE_EVERY per thread is timed (the first one
 included), where the general path times every request.
-A learned request is chosen here as Dispatcher.read would choose it, and counted once:
+A request over its class's threshold (an unpinned class's, LEARN_MIN or more) is chosen
+here as Dispatcher.read would choose it, and counted once:
 inline is served and timed here (its cost is the learner's sample, so every one is
 timed), and the pool's (or an inline read that failed here) goes to the general path
 with its choice handed on (Dispatcher.hand_on), so that it is not chosen twice.
 Measured: eight clients' 512 KiB reads over a calibrated 256 KiB ran 0.88-0.91 of the
 same server pinned all inline while the fast path took only requests within the
-threshold, 0.94 once it took learned ones (docs/benchmarks.md, run O).
+threshold, 0.94 once it took learned ones (docs/benchmarks.md, run O). One within its
+threshold is answered inline without asking the learner, as before, where the general
+path would ask it (a calibrated threshold of 512 KiB or more: the rule's pool for one
+client's 512 KiB reads within one leaf is not taken; not changed, not measured).
 
 Counts go into the per-thread rows of the same Tallies the general path uses (tally.py),
 fetched once per thread and kept by thread ident, so a request does one dict look-up and

@@ -350,7 +350,7 @@ class Learner:
                 if now - row.watched > QUIET_S:  # a pause: what came before it is gone
                     row.steady.clear()
                     row.off_since = None
-                row.watched = now
+                row.watched = max(row.watched, now)  # a sample may start before others
                 cost = seconds / length
                 row.steady.append(cost)
                 if row.off_since is None and mine / FAR <= cost <= FAR * mine:

@@ -51,8 +51,8 @@ def test_the_default_table_is_calibrated_and_says_how(servers, image):
     # the first request of a size takes the table's path (at the threshold inline, at
     # twice it the pool), unless serve/learn.py's rule says otherwise: one client, a
     # request of two pool chunks or more and two workers or more take the pool. At
-    # 4096 bytes in (4096-byte blocks), one of 512 KiB spans two leaf hash blocks: the
-    # general path's choice alone (the fast path asks the same learner)
+    # 4096 bytes in (4096-byte blocks), one of 512 KiB spans two leaf hash blocks: never
+    # the fast path, which verifies one within its threshold inline whatever the rule
     start = 4096
     threshold = min(calibration["threshold"], image.size - start)
     above = 2 * calibration["threshold"] <= image.size - start  # one over it fits here
