@@ -81,7 +81,7 @@ the other clearly cheaper:
   3 to 4 times their cost, CPU steal or a neighbour; held for a second, none in eight).
   A pause of QUIET_S starts the watch afresh: a client that stops and starts again is
   not a held change of load (measured: eight clients' 512 KiB reads in the bench's 1 s
-  slices, seconds apart, brought 3-10 early trials per process in 50 s of reads with
+  slices, seconds apart, brought 3-10 early trials per process in 24 s of reads with
   the spell kept across pauses, none without).
 - Why trials, not the cost of each path's latest requests: the machine's speed drifts
   from second to second (CPU steal from other guests comes in bursts of seconds: one
