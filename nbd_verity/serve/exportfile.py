@@ -13,10 +13,25 @@ the end of a line continuing it. The keys:
                           `$ARGS` (no quoting)
   NBD_DEVICE, ATTACH_ARGS for nbd-verity-attach@NAME.service; not the server's
 
-ARGS are parsed by OPTIONS below, the table of the `serve` options an image may carry,
-spelled as `serve` spells them (tests check the table against the command): per-image
-options, and server-wide ones (thresholds, workers, ...), which only a file served alone
-may give, since a many-export server has one pool and one table for all.
+ARGS are parsed by OPTIONS below, the one table of the `serve` options an export file may
+carry, spelled as `serve` spells them (tests check the table against the command). Each
+option is an image's or the server's:
+
+  an image's   what the image is and how it is read: its tree, its root hash (file) and
+               its own signature, FEC, error and zero-block modes, cache, readahead,
+               sources (timeouts, upstream cache, S3)
+  the server's what it trusts and how it runs, one for all its images: trust anchors
+               (--trusted-certs) and signature policy (--require-signatures), as the
+               kernel's keyring and systemd's /etc/verity.d are the system's and no image
+               brings its own; restart on corruption; classes, pool, threads, thresholds;
+               and listening (LISTEN_OPTIONS, never in a file)
+
+A many-export server (`serve --exports DIR`) refuses the server's options in its files
+(exports.py, by ExportFile.server_options): its own command line says them for every
+export. A file served alone (`serve --export-file FILE`, the template units) is its one
+image's server's config, so it may give them.
+
+A relative path in a file is relative to the file's directory.
 """
 
 from __future__ import annotations
@@ -34,55 +49,72 @@ NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,127}")  # an export name from a
 _KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
+IMAGE, SERVER = "image", "server"  # who an option belongs to (see the module)
+
+
 @dataclass(frozen=True)
 class Option:
-    """One `serve` option an export file's ARGS may hold: its click parameter name and
-    the value a flag stands for (None: the option takes a value)."""
+    """One `serve` option an export file's ARGS may hold: its click parameter name, the
+    value a flag stands for (None: the option takes a value), and whose it is."""
 
     dest: str
     flag_value: object = None
-    server: bool = False  # server-wide: refused in a many-export server's files
+    owner: str = IMAGE  # SERVER: refused in a many-export server's files
     repeat: bool = False  # may be given several times (a list)
+
+    @property
+    def server(self) -> bool:
+        """Whether the option is the server's (not an image's)."""
+        return self.owner == SERVER
+
+
+def _server(dest: str, flag_value: object = None, repeat: bool = False) -> Option:
+    """A server's option (see the module)."""
+    return Option(dest, flag_value, SERVER, repeat)
 
 
 OPTIONS = {
-    # the tree (veritysetup's spelling)
+    # ---- an image's ----
+    # its tree (veritysetup's spelling)
     "--hash": Option("algorithm"), "--salt": Option("salt"),
     "--data-block-size": Option("data_block_size"),
     "--hash-block-size": Option("hash_block_size"),
     "--data-blocks": Option("data_blocks"), "--hash-offset": Option("hash_offset"),
     "--no-superblock": Option("no_superblock", True), "--format": Option("hash_type"),
-    # trust
+    # its root hash and its own signature (checked against the server's certificates)
     "--root-hash-file": Option("root_hash_file"), "--partition": Option("partition"),
     "--root-hash-signature": Option("root_hash_signature"),
-    "--trusted-certs": Option("trusted_certs"),
-    "--require-signatures": Option("require_signatures", True),
-    # FEC
+    # its FEC
     "--fec-device": Option("fec_device"), "--fec-roots": Option("fec_roots"),
     "--fec-offset": Option("fec_offset"),
-    # reading and verifying
+    # reading and verifying it
     "--ignore-corruption": Option("ignore_corruption", True),
-    "--restart-on-corruption": Option("restart_on_corruption", True, server=True),
     "--ignore-zero-blocks": Option("ignore_zero_blocks", True),
     "--check-at-most-once": Option("check_at_most_once", True),
-    "--cache-size": Option("cache_size"),
+    "--cache-size": Option("cache_size"),  # in a many-export server: caps its share
     "--readahead": Option("readahead", True), "--no-readahead": Option("readahead", False),
+    # its sources (remote images)
     "--source-timeout": Option("source_timeout"),
-    # remote images
     "--upstream-cache": Option("upstream_cache", True),
     "--upstream-cache-size": Option("upstream_cache_size"),
     "--s3-endpoint": Option("s3_endpoint"), "--s3-profile": Option("s3_profile"),
     "--s3-credentials": Option("s3_credentials"),
-    # the server's, one for all its images
-    "--threshold": Option("thresholds", server=True, repeat=True),
-    "--threshold-preset": Option("threshold_preset", server=True),
-    "--workers": Option("workers", server=True),
-    "--default-class": Option("default_class", server=True),
-    "--serialize": Option("serialize", True, server=True),
-    "--parallel": Option("serialize", False, server=True),
-    "--thread-model": Option("thread_model", server=True),
-    "--threads": Option("threads", server=True),
-    "--log-rate": Option("log_rate", server=True),
+    # ---- the server's, one for all its images ----
+    # what it trusts: the anchors and the policy
+    "--trusted-certs": _server("trusted_certs"),
+    "--require-signatures": _server("require_signatures", True),
+    # on corruption: exit (every export stops)
+    "--restart-on-corruption": _server("restart_on_corruption", True),
+    # classes, pool, threads, thresholds, log
+    "--threshold": _server("thresholds", repeat=True),
+    "--threshold-preset": _server("threshold_preset"),
+    "--workers": _server("workers"),
+    "--default-class": _server("default_class"),
+    "--serialize": _server("serialize", True),
+    "--parallel": _server("serialize", False),
+    "--thread-model": _server("thread_model"),
+    "--threads": _server("threads"),
+    "--log-rate": _server("log_rate"),
 }
 LISTEN_OPTIONS = ("--unix", "--port", "--bind", "--pid-file", "--exit-with-parent",
                   "--control", "--verbose", "-v", "--exports", "--export-file")

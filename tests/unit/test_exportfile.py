@@ -13,6 +13,7 @@ from nbd_verity.errors import ConfigError
 from nbd_verity.serve.exportfile import (
     LISTEN_OPTIONS,
     OPTIONS,
+    ExportFile,
     export_name,
     parse_args,
     parse_environment,
@@ -112,3 +113,18 @@ def test_a_fifo_is_refused_without_opening_it(tmp_path):
     os.mkfifo(fifo)
     with pytest.raises(ConfigError, match="not a regular file"):
         read_export_file(str(fifo))
+
+
+# What the server owns, one for all its images (docs/server.md's table says the same).
+SERVERS = {"--trusted-certs", "--require-signatures", "--restart-on-corruption",
+           "--threshold", "--threshold-preset", "--workers", "--default-class",
+           "--serialize", "--parallel", "--thread-model", "--threads", "--log-rate"}
+
+
+def test_trust_anchors_and_policy_are_the_servers():
+    assert {flag for flag, option in OPTIONS.items() if option.server} == SERVERS
+    spec = ExportFile("x.conf", "x", "/d", options=parse_args(
+        "--trusted-certs /b.crt --require-signatures --root-hash-signature /s.p7s "
+        "--cache-size 1M", "ARGS"))
+    assert sorted(spec.server_options()) == ["--require-signatures", "--trusted-certs"]
+

@@ -1,0 +1,130 @@
+"""What an export file may not do: bring its own trust anchor or signature policy into a
+many-export server, name a URL where a path is asked, or keep a secret where every user
+reads it. Real nbdkit, real clients (libnbd, nbdinfo), real reloads over the control
+socket; signatures made by openssl (tests/pki.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import nbd
+import pytest
+
+from ..pki import make_identity, smime_sign
+from .serverlib import MIB, make_image, random_bytes
+from .test_exports import NBDINFO, connect, read_all, reload
+
+SIZE = 2 * MIB
+
+
+@pytest.fixture(scope="module")
+def signed(tmp_path_factory):
+    """Two images, 'good' signed by key A and 'evil' signed by key B, each with its root
+    hash's signature (.p7s) beside it."""
+    base = tmp_path_factory.mktemp("exports-trust")
+    keys = {"a": make_identity(base, "key-a"), "b": make_identity(base, "key-b")}
+    made = {}
+    for i, (name, key) in enumerate((("good", "a"), ("evil", "b"))):
+        image = make_image(base / name, random_bytes(70 + i, SIZE))
+        text = base / f"{name}.roothash"
+        text.write_text(image.root)  # the hex text, no newline: what is signed
+        image.signature = smime_sign(keys[key], text, base / f"{name}.roothash.p7s")
+        made[name] = image
+    return keys, made
+
+
+def write_conf(directory: Path, name: str, image, args: str = "", root: bool = True,
+               mode: int = 0o644) -> Path:
+    path = directory / f"{name}.conf"
+    tmp = directory / f".{name}.tmp"
+    tmp.write_text(f"DATA={image.data}\nHASH={image.hash}\n"
+                   + (f"ROOT_HASH={image.root}\n" if root else "") + f"ARGS={args}\n")
+    tmp.chmod(mode)
+    os.replace(tmp, path)
+    return path
+
+
+def listed(server) -> dict[str, str]:
+    """nbdinfo --list: each export's name and description."""
+    run = subprocess.run([NBDINFO, "--list", "--json", server.uri], capture_output=True,
+                         text=True, timeout=60, check=True)
+    return {e["export-name"]: e.get("description", "")
+            for e in json.loads(run.stdout)["exports"]}
+
+
+def log_lines(server, word: str) -> list[str]:
+    return [line for line in Path(server.log_path).read_text().splitlines() if word in line]
+
+
+def test_an_export_file_cannot_replace_the_servers_trusted_certs(signed, servers, sockdir,
+                                                                 tmp_path):
+    """`serve --exports DIR --require-signatures --trusted-certs A.crt`: an export file
+    naming B.crt for an image signed by B is refused in one line (the option is the
+    server's), at start-up and on reload; the image signed by A serves."""
+    keys, images = signed
+    directory = tmp_path / "exports"
+    directory.mkdir()
+    write_conf(directory, "good", images["good"],
+               f"--root-hash-signature {images['good'].signature}")
+    evil = write_conf(directory, "evil", images["evil"],
+                      f"--root-hash-signature {images['evil'].signature} "
+                      f"--trusted-certs {keys['b'].cert}")
+    control = os.path.join(sockdir, "ctl.sock")
+    server = servers.serve_cli(["--exports", str(directory), "--control", control,
+                                "--require-signatures", "--trusted-certs",
+                                str(keys["a"].cert)])
+    server.control = control
+    shown = listed(server)
+    assert sorted(shown) == ["good"], shown
+    assert "signed by CN=key-a" in shown["good"], shown
+    assert read_all(connect(server, "good")) == images["good"].expected()
+    with pytest.raises(nbd.Error):
+        connect(server, "evil")
+    refusals = log_lines(server, str(evil))
+    assert refusals and all("--trusted-certs is the server's" in line for line in refusals)
+
+    report = reload(server)
+    why = report["refused"][str(evil)]
+    assert "--trusted-certs is the server's" in why and "\n" not in why, why
+    assert report["unchanged"] == ["good"]
+    assert sorted(listed(server)) == ["good"]
+
+
+def test_an_export_file_cannot_set_the_signature_policy(signed, servers, sockdir, tmp_path):
+    """--require-signatures is the server's too: a file giving it is refused, whatever
+    it asks for (the command line says the policy for every export)."""
+    _, images = signed
+    directory = tmp_path / "exports"
+    directory.mkdir()
+    write_conf(directory, "good", images["good"])
+    control = os.path.join(sockdir, "ctl.sock")
+    server = servers.serve_cli(["--exports", str(directory), "--control", control])
+    server.control = control
+    policy = write_conf(directory, "policy", images["good"], "--require-signatures")
+    report = reload(server)
+    assert "--require-signatures is the server's" in report["refused"][str(policy)]
+    assert sorted(listed(server)) == ["good"]
+
+
+def test_an_export_file_served_alone_keeps_its_trust_options(signed, servers, tmp_path):
+    """`serve --export-file FILE` (the template units) is one image's own server: its
+    file may name the certificates and require signatures, and they are applied."""
+    keys, images = signed
+    solo = write_conf(tmp_path, "solo", images["good"],
+                      f"--root-hash-signature {images['good'].signature} "
+                      f"--trusted-certs {keys['a'].cert} --require-signatures")
+    server = servers.serve_cli(["--export-file", str(solo)])
+    assert read_all(server.connect()) == images["good"].expected()
+    started = log_lines(server, "nbd-verity: serving")
+    assert len(started) == 1 and "signed by CN=key-a" in started[0], started
+
+    wrong = write_conf(tmp_path, "wrong", images["evil"],
+                       f"--root-hash-signature {images['evil'].signature} "
+                       f"--trusted-certs {keys['a'].cert} --require-signatures")
+    refused = servers.serve_cli(["--export-file", str(wrong)], ready=False)
+    assert refused.proc.wait(60) != 0
+    text = Path(refused.log_path).read_text()
+    assert "is not a trusted certificate" in text and "Traceback" not in text, text
