@@ -31,7 +31,8 @@ A many-export server (`serve --exports DIR`) refuses the server's options in its
 export. A file served alone (`serve --export-file FILE`, the template units) is its one
 image's server's config, so it may give them.
 
-A relative path in a file is relative to the file's directory.
+A path option (PATH_DESTS) takes a path, never a URL; a relative one is relative to the
+file's directory.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import re
 from dataclasses import dataclass, field
 
 from ..errors import ConfigError
+from ..sources.remote import is_url, redact
 from ..sources.source import read_small_file
 
 KEYS = ("DATA", "HASH", "ROOT_HASH", "ARGS", "NBD_DEVICE", "ATTACH_ARGS")
@@ -161,17 +163,21 @@ def read_export_file(path: str) -> ExportFile:
     options = parse_args(values.get("ARGS", ""), f"{path}: ARGS")
     base = os.path.dirname(os.path.abspath(path))
     for dest in PATH_DESTS & set(options):
-        options[dest] = _beside(base, options[dest])
-    return ExportFile(path, export_name(path), _beside(base, values["DATA"]),
-                      _beside(base, values.get("HASH") or None),
+        options[dest] = os.path.join(base, options[dest])  # an absolute one stays as it is
+    return ExportFile(path, export_name(path), _beside(base, values["DATA"], f"{path}: DATA"),
+                      _beside(base, values.get("HASH") or None, f"{path}: HASH"),
                       values.get("ROOT_HASH") or None, options)
 
 
-def _beside(base: str, location: str | None) -> str | None:
-    """A relative path in an export file is relative to the file's directory (a URL, an
-    absolute path, or nothing stays as it is)."""
-    if not location or "://" in location or os.path.isabs(location):
+def _beside(base: str, location: str | None, where: str) -> str | None:
+    """An image: a URL nbd-verity reads, or a path, relative to the file's directory
+    (an absolute path, or nothing, stays as it is); anything else with :// is refused."""
+    if not location or is_url(location):
         return location
+    if "://" in location:
+        raise ConfigError(f"{where}: {redact(location)} is neither a path nor a URL "
+                          f"nbd-verity reads (nbd, nbds, nbd+unix, nbds+unix, http, "
+                          f"https, s3)")
     return os.path.join(base, location)
 
 
@@ -243,6 +249,8 @@ def parse_args(text: str, where: str) -> dict:
                 raise ConfigError(f"{where}: {flag} needs a value")
             inline = words[i]
             i += 1
+        if option.dest in PATH_DESTS and "://" in inline:
+            raise ConfigError(f"{where}: {flag} takes a path, not a URL")
         value = _typed(option.dest, inline, where, flag)
         if option.repeat:
             options.setdefault(option.dest, []).append(value)

@@ -128,3 +128,28 @@ def test_an_export_file_served_alone_keeps_its_trust_options(signed, servers, tm
     assert refused.proc.wait(60) != 0
     text = Path(refused.log_path).read_text()
     assert "is not a trusted certificate" in text and "Traceback" not in text, text
+
+
+def test_a_url_in_a_path_option_is_refused(servers, sockdir, tmp_path, monkeypatch):
+    """--root-hash-file http://... is refused in one line; it is never read as the path
+    ./http:/images.example/b.roothash under the server's working directory, where a
+    root hash was planted."""
+    image = make_image(tmp_path / "b", random_bytes(80, SIZE))
+    cwd = tmp_path / "cwd"
+    planted = cwd / "http:" / "images.example" / "b.roothash"
+    planted.parent.mkdir(parents=True)
+    planted.write_text(image.root)
+    monkeypatch.chdir(cwd)  # the server's working directory
+    directory = tmp_path / "exports"
+    directory.mkdir()
+    write_conf(directory, "one", image)
+    b = write_conf(directory, "b", image, "--root-hash-file http://images.example/b.roothash",
+                   root=False)
+    control = os.path.join(sockdir, "ctl.sock")
+    server = servers.serve_cli(["--exports", str(directory), "--control", control])
+    server.control = control
+    assert sorted(listed(server)) == ["one"]
+    with pytest.raises(nbd.Error):
+        connect(server, "b")
+    why = reload(server)["refused"][str(b)]
+    assert why == f"{b}: ARGS: --root-hash-file takes a path, not a URL", why

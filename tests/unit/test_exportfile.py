@@ -13,6 +13,7 @@ from nbd_verity.errors import ConfigError
 from nbd_verity.serve.exportfile import (
     LISTEN_OPTIONS,
     OPTIONS,
+    PATH_DESTS,
     ExportFile,
     export_name,
     parse_args,
@@ -127,4 +128,23 @@ def test_trust_anchors_and_policy_are_the_servers():
         "--trusted-certs /b.crt --require-signatures --root-hash-signature /s.p7s "
         "--cache-size 1M", "ARGS"))
     assert sorted(spec.server_options()) == ["--require-signatures", "--trusted-certs"]
+
+
+@pytest.mark.parametrize("flag", sorted(f for f, o in OPTIONS.items() if o.dest in PATH_DESTS))
+def test_a_path_option_takes_no_url(flag):
+    with pytest.raises(ConfigError, match=f"^ARGS: {flag} takes a path, not a URL$"):
+        parse_args(f"{flag} http://images.example/x", "ARGS")
+    with pytest.raises(ConfigError, match=f"{flag} takes a path, not a URL"):
+        parse_args(f"{flag}=s3://bucket/x", "ARGS")
+
+
+def test_an_image_with_an_unknown_scheme_is_refused(tmp_path):
+    conf = tmp_path / "img.conf"
+    conf.write_text("DATA=ftp://alice:pw@host/disk.raw\n")
+    with pytest.raises(ConfigError, match=r"DATA: ftp://\*\*\*@host/disk.raw is neither a "
+                                          r"path nor a URL"):
+        read_export_file(str(conf))
+    conf.write_text("DATA=https://host/disk.raw\nHASH=nbd+unix:///?socket=/s\n")
+    spec = read_export_file(str(conf))
+    assert (spec.data, spec.hash_image) == ("https://host/disk.raw", "nbd+unix:///?socket=/s")
 
