@@ -32,17 +32,22 @@ export. A file served alone (`serve --export-file FILE`, the template units) is 
 image's server's config, so it may give them.
 
 A path option (PATH_DESTS) takes a path, never a URL; a relative one is relative to the
-file's directory.
+file's directory. A file holding a secret (a URL's password or query) and readable by
+other users is one warning line (secret_warning).
 """
 
 from __future__ import annotations
 
 import os
 import re
+import stat
+import urllib.parse
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..errors import ConfigError
-from ..sources.remote import is_url, redact
+from ..log import log
+from ..sources.remote import URI_SCHEMES, is_url, redact
 from ..sources.source import read_small_file
 
 KEYS = ("DATA", "HASH", "ROOT_HASH", "ARGS", "NBD_DEVICE", "ATTACH_ARGS")
@@ -155,9 +160,13 @@ def export_name(path: str) -> str:
     return name
 
 
-def read_export_file(path: str) -> ExportFile:
-    """Read and check one export file; ConfigError in one line naming it otherwise."""
+def read_export_file(path: str, warn: Callable[[str], None] = log) -> ExportFile:
+    """Read and check one export file; ConfigError in one line naming it otherwise. warn
+    gets the one line of secret_warning, if any."""
     values = parse_environment(_read_text(path), path)
+    warning = secret_warning(path, values)
+    if warning:
+        warn(warning)
     if not values.get("DATA"):
         raise ConfigError(f"{path}: DATA: missing (the data image, a path or a URL)")
     options = parse_args(values.get("ARGS", ""), f"{path}: ARGS")
@@ -179,6 +188,38 @@ def _beside(base: str, location: str | None, where: str) -> str | None:
                           f"nbd-verity reads (nbd, nbds, nbd+unix, nbds+unix, http, "
                           f"https, s3)")
     return os.path.join(base, location)
+
+
+def secret_warning(path: str, values: dict[str, str]) -> str | None:
+    """One line when the file holds a secret (a URL's password, or a query: tokens,
+    presigned signatures) and other users can read it: o+r on the file and o+x on its
+    directory. A group that may read it is the admin's choice (0640), as systemd's
+    credentials allow; the line never holds the secret."""
+    words = [values.get("DATA", ""), values.get("HASH", ""), *values.get("ARGS", "").split()]
+    if not any(_holds_secret(word) for word in words):
+        return None
+    try:
+        file_mode = os.stat(path).st_mode
+        dir_mode = os.stat(os.path.dirname(os.path.abspath(path))).st_mode
+    except OSError:
+        return None
+    if not (file_mode & stat.S_IROTH and dir_mode & stat.S_IXOTH):
+        return None
+    return (f"warning: {path}: holds a secret (a URL's password or query) and other users "
+            f"can read it: chmod 0600 (or 0640 for a group), or keep the secret in a "
+            f"credential (systemd's LoadCredential=; see docs/trust.md)")
+
+
+def _holds_secret(word: str) -> bool:
+    """Whether a word is a URL with a password in its user part, or with a query (an NBD
+    URI's query holds file names, not secrets)."""
+    if "://" not in word:
+        return False
+    try:
+        parts = urllib.parse.urlsplit(word)
+    except ValueError:  # not even a URL (an odd [host]): warn rather than miss one
+        return True
+    return parts.password is not None or bool(parts.query and parts.scheme not in URI_SCHEMES)
 
 
 def _read_text(path: str) -> str:

@@ -7,17 +7,23 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
+import shutil
 import subprocess
 from pathlib import Path
 
 import nbd
 import pytest
 
+from nbd_verity.demo.remote import Lighttpd
+
 from ..pki import make_identity, smime_sign
 from .serverlib import MIB, make_image, random_bytes
 from .test_exports import NBDINFO, connect, read_all, reload
 
 SIZE = 2 * MIB
+PASSWORD = f"pw-{secrets.token_hex(8)}"
+TOKEN = f"tok{secrets.token_hex(8)}"
 
 
 @pytest.fixture(scope="module")
@@ -153,3 +159,76 @@ def test_a_url_in_a_path_option_is_refused(servers, sockdir, tmp_path, monkeypat
         connect(server, "b")
     why = reload(server)["refused"][str(b)]
     assert why == f"{b}: ARGS: --root-hash-file takes a path, not a URL", why
+
+
+@pytest.fixture
+def web(tmp_path):
+    """lighttpd serving one image on 127.0.0.1 (it ignores the password and the query:
+    what matters here is what the export file holds)."""
+    image = make_image(tmp_path / "img", random_bytes(90, SIZE))
+    docroot = tmp_path / "www"
+    docroot.mkdir()
+    shutil.copyfile(image.data, docroot / "data.img")
+    shutil.copyfile(image.hash, docroot / "hash.img")
+    server = Lighttpd(docroot, tmp_path / "lighttpd").start()
+    server.image = image
+    server.secret_url = lambda name: (f"http://reader:{PASSWORD}@127.0.0.1:{server.port}/"
+                                      f"{name}?token={TOKEN}")
+    yield server
+    server.stop()
+
+
+def write_secret_conf(directory: Path, web, mode: int) -> Path:
+    """An export file whose URLs hold a password and a token."""
+    path = directory / "secret.conf"
+    tmp = directory / ".secret.tmp"
+    tmp.write_text(f"DATA={web.secret_url('data.img')}\nHASH={web.secret_url('hash.img')}\n"
+                   f"ROOT_HASH={web.image.root}\n")
+    tmp.chmod(mode)
+    os.replace(tmp, path)
+    return path
+
+
+def assert_one_warning(server, path: Path, before: int = 0) -> None:
+    """Exactly one new warning line names path, says how to fix it, and holds no secret."""
+    lines = log_lines(server, "holds a secret")[before:]
+    assert len(lines) == 1, lines
+    assert str(path) in lines[0] and "chmod 0600" in lines[0], lines[0]
+    assert "LoadCredential=" in lines[0]
+    assert PASSWORD not in lines[0] and TOKEN not in lines[0]
+
+
+def test_a_readable_export_file_with_a_secret_is_one_warning(web, servers, sockdir, tmp_path,
+                                                            monkeypatch):
+    """A file holding a URL's password and token, readable by others: one warning line
+    naming the file, on the reload that reads it; the export serves. Rewritten 0640, it
+    is read again without a warning."""
+    monkeypatch.setenv("RUNTIME_DIRECTORY", sockdir)  # the captive upstream's sockets
+    directory = tmp_path / "exports"
+    directory.mkdir()
+    directory.chmod(0o755)
+    write_conf(directory, "one", web.image)
+    control = os.path.join(sockdir, "ctl.sock")
+    server = servers.serve_cli(["--exports", str(directory), "--control", control])
+    server.control = control
+    assert log_lines(server, "holds a secret") == []
+
+    path = write_secret_conf(directory, web, 0o644)
+    assert reload(server)["added"] == ["secret"]
+    assert_one_warning(server, path)
+    assert read_all(connect(server, "secret")) == web.image.expected()
+
+    write_secret_conf(directory, web, 0o640)
+    assert reload(server)["changed"] == ["secret"]
+    assert read_all(connect(server, "secret")) == web.image.expected()
+    assert len(log_lines(server, "holds a secret")) == 1
+
+
+def test_a_readable_export_file_served_alone_is_one_warning(web, servers, sockdir,
+                                                            tmp_path, monkeypatch):
+    monkeypatch.setenv("RUNTIME_DIRECTORY", sockdir)
+    tmp_path.chmod(0o755)
+    path = write_secret_conf(tmp_path, web, 0o644)
+    server = servers.serve_cli(["--export-file", str(path)])
+    assert read_all(server.connect()) == web.image.expected()
+    assert_one_warning(server, path)

@@ -19,6 +19,7 @@ from nbd_verity.serve.exportfile import (
     parse_args,
     parse_environment,
     read_export_file,
+    secret_warning,
 )
 
 
@@ -148,3 +149,38 @@ def test_an_image_with_an_unknown_scheme_is_refused(tmp_path):
     spec = read_export_file(str(conf))
     assert (spec.data, spec.hash_image) == ("https://host/disk.raw", "nbd+unix:///?socket=/s")
 
+
+@pytest.mark.parametrize("text, secret", [
+    ("DATA=https://alice:pw@host/d.raw\n", True),
+    ("DATA=/d.raw\nHASH=https://host/h?X-Amz-Signature=abc\n", True),
+    ("DATA=/d.raw\nARGS=--s3-endpoint http://k:s@127.0.0.1:9000\n", True),
+    ("DATA=https://alice@host/d.raw\n", False),  # a user name is not a secret
+    ("DATA=nbd+unix:///x?socket=/run/s.sock\n", False),  # file names, not secrets
+    ("DATA=/d.raw\nHASH=/h?x\n", False),  # a path
+])
+def test_a_secret_readable_by_others_is_one_warning(tmp_path, text, secret):
+    tmp_path.chmod(0o755)
+    conf = tmp_path / "s.conf"
+    conf.write_text(text)
+    conf.chmod(0o644)
+    warning = secret_warning(str(conf), parse_environment(text, str(conf)))
+    if not secret:
+        assert warning is None
+        return
+    assert warning.startswith(f"warning: {conf}: holds a secret") and "chmod 0600" in warning
+    assert "pw" not in warning and "abc" not in warning and ":s@" not in warning
+    conf.chmod(0o640)  # a group the admin chose: no warning
+    assert secret_warning(str(conf), parse_environment(text, str(conf))) is None
+    conf.chmod(0o644)
+    tmp_path.chmod(0o750)  # others cannot reach it
+    assert secret_warning(str(conf), parse_environment(text, str(conf))) is None
+
+
+def test_the_warning_goes_to_warn_and_the_file_is_still_read(tmp_path):
+    tmp_path.chmod(0o755)
+    conf = tmp_path / "s.conf"
+    conf.write_text("DATA=https://alice:pw@host/d.raw\n")
+    conf.chmod(0o604)
+    said: list[str] = []
+    spec = read_export_file(str(conf), warn=said.append)
+    assert spec.data == "https://alice:pw@host/d.raw" and len(said) == 1
