@@ -13,19 +13,41 @@ the end of a line continuing it. The keys:
                           `$ARGS` (no quoting)
   NBD_DEVICE, ATTACH_ARGS for nbd-verity-attach@NAME.service; not the server's
 
-ARGS are parsed by OPTIONS below, the table of the `serve` options an image may carry,
-spelled as `serve` spells them (tests check the table against the command): per-image
-options, and server-wide ones (thresholds, workers, ...), which only a file served alone
-may give, since a many-export server has one pool and one table for all.
+ARGS are parsed by OPTIONS below, the one table of the `serve` options an export file may
+carry, spelled as `serve` spells them (tests check the table against the command). Each
+option is an image's or the server's:
+
+  an image's   what the image is and how it is read: its tree, its root hash (file) and
+               its own signature, FEC, error and zero-block modes, cache, readahead,
+               sources (timeouts, upstream cache, S3)
+  the server's what it trusts and how it runs, one for all its images: trust anchors
+               (--trusted-certs) and signature policy (--require-signatures), as the
+               kernel's keyring and systemd's /etc/verity.d are the system's and no image
+               brings its own; restart on corruption; classes, pool, threads, thresholds;
+               and listening (LISTEN_OPTIONS, never in a file)
+
+A many-export server (`serve --exports DIR`) refuses the server's options in its files
+(exports.py, by ExportFile.server_options): its own command line says them for every
+export. A file served alone (`serve --export-file FILE`, the template units) is its one
+image's server's config, so it may give them.
+
+A path option (PATH_DESTS) takes a path, never a URL; a relative one is relative to the
+file's directory. A file holding a secret (a URL's password or query) and readable by
+other users is one warning line (secret_warning).
 """
 
 from __future__ import annotations
 
 import os
 import re
+import stat
+import urllib.parse
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..errors import ConfigError
+from ..log import log
+from ..sources.remote import URI_SCHEMES, is_url, redact
 from ..sources.source import read_small_file
 
 KEYS = ("DATA", "HASH", "ROOT_HASH", "ARGS", "NBD_DEVICE", "ATTACH_ARGS")
@@ -34,55 +56,72 @@ NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,127}")  # an export name from a
 _KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
+IMAGE, SERVER = "image", "server"  # who an option belongs to (see the module)
+
+
 @dataclass(frozen=True)
 class Option:
-    """One `serve` option an export file's ARGS may hold: its click parameter name and
-    the value a flag stands for (None: the option takes a value)."""
+    """One `serve` option an export file's ARGS may hold: its click parameter name, the
+    value a flag stands for (None: the option takes a value), and whose it is."""
 
     dest: str
     flag_value: object = None
-    server: bool = False  # server-wide: refused in a many-export server's files
+    owner: str = IMAGE  # SERVER: refused in a many-export server's files
     repeat: bool = False  # may be given several times (a list)
+
+    @property
+    def server(self) -> bool:
+        """Whether the option is the server's (not an image's)."""
+        return self.owner == SERVER
+
+
+def _server(dest: str, flag_value: object = None, repeat: bool = False) -> Option:
+    """A server's option (see the module)."""
+    return Option(dest, flag_value, SERVER, repeat)
 
 
 OPTIONS = {
-    # the tree (veritysetup's spelling)
+    # ---- an image's ----
+    # its tree (veritysetup's spelling)
     "--hash": Option("algorithm"), "--salt": Option("salt"),
     "--data-block-size": Option("data_block_size"),
     "--hash-block-size": Option("hash_block_size"),
     "--data-blocks": Option("data_blocks"), "--hash-offset": Option("hash_offset"),
     "--no-superblock": Option("no_superblock", True), "--format": Option("hash_type"),
-    # trust
+    # its root hash and its own signature (checked against the server's certificates)
     "--root-hash-file": Option("root_hash_file"), "--partition": Option("partition"),
     "--root-hash-signature": Option("root_hash_signature"),
-    "--trusted-certs": Option("trusted_certs"),
-    "--require-signatures": Option("require_signatures", True),
-    # FEC
+    # its FEC
     "--fec-device": Option("fec_device"), "--fec-roots": Option("fec_roots"),
     "--fec-offset": Option("fec_offset"),
-    # reading and verifying
+    # reading and verifying it
     "--ignore-corruption": Option("ignore_corruption", True),
-    "--restart-on-corruption": Option("restart_on_corruption", True, server=True),
     "--ignore-zero-blocks": Option("ignore_zero_blocks", True),
     "--check-at-most-once": Option("check_at_most_once", True),
-    "--cache-size": Option("cache_size"),
+    "--cache-size": Option("cache_size"),  # in a many-export server: caps its share
     "--readahead": Option("readahead", True), "--no-readahead": Option("readahead", False),
+    # its sources (remote images)
     "--source-timeout": Option("source_timeout"),
-    # remote images
     "--upstream-cache": Option("upstream_cache", True),
     "--upstream-cache-size": Option("upstream_cache_size"),
     "--s3-endpoint": Option("s3_endpoint"), "--s3-profile": Option("s3_profile"),
     "--s3-credentials": Option("s3_credentials"),
-    # the server's, one for all its images
-    "--threshold": Option("thresholds", server=True, repeat=True),
-    "--threshold-preset": Option("threshold_preset", server=True),
-    "--workers": Option("workers", server=True),
-    "--default-class": Option("default_class", server=True),
-    "--serialize": Option("serialize", True, server=True),
-    "--parallel": Option("serialize", False, server=True),
-    "--thread-model": Option("thread_model", server=True),
-    "--threads": Option("threads", server=True),
-    "--log-rate": Option("log_rate", server=True),
+    # ---- the server's, one for all its images ----
+    # what it trusts: the anchors and the policy
+    "--trusted-certs": _server("trusted_certs"),
+    "--require-signatures": _server("require_signatures", True),
+    # on corruption: exit (every export stops)
+    "--restart-on-corruption": _server("restart_on_corruption", True),
+    # classes, pool, threads, thresholds, log
+    "--threshold": _server("thresholds", repeat=True),
+    "--threshold-preset": _server("threshold_preset"),
+    "--workers": _server("workers"),
+    "--default-class": _server("default_class"),
+    "--serialize": _server("serialize", True),
+    "--parallel": _server("serialize", False),
+    "--thread-model": _server("thread_model"),
+    "--threads": _server("threads"),
+    "--log-rate": _server("log_rate"),
 }
 LISTEN_OPTIONS = ("--unix", "--port", "--bind", "--pid-file", "--exit-with-parent",
                   "--control", "--verbose", "-v", "--exports", "--export-file")
@@ -121,26 +160,66 @@ def export_name(path: str) -> str:
     return name
 
 
-def read_export_file(path: str) -> ExportFile:
-    """Read and check one export file; ConfigError in one line naming it otherwise."""
+def read_export_file(path: str, warn: Callable[[str], None] = log) -> ExportFile:
+    """Read and check one export file; ConfigError in one line naming it otherwise. warn
+    gets the one line of secret_warning, if any."""
     values = parse_environment(_read_text(path), path)
+    warning = secret_warning(path, values)
+    if warning:
+        warn(warning)
     if not values.get("DATA"):
         raise ConfigError(f"{path}: DATA: missing (the data image, a path or a URL)")
     options = parse_args(values.get("ARGS", ""), f"{path}: ARGS")
     base = os.path.dirname(os.path.abspath(path))
     for dest in PATH_DESTS & set(options):
-        options[dest] = _beside(base, options[dest])
-    return ExportFile(path, export_name(path), _beside(base, values["DATA"]),
-                      _beside(base, values.get("HASH") or None),
+        options[dest] = os.path.join(base, options[dest])  # an absolute one stays as it is
+    return ExportFile(path, export_name(path), _beside(base, values["DATA"], f"{path}: DATA"),
+                      _beside(base, values.get("HASH") or None, f"{path}: HASH"),
                       values.get("ROOT_HASH") or None, options)
 
 
-def _beside(base: str, location: str | None) -> str | None:
-    """A relative path in an export file is relative to the file's directory (a URL, an
-    absolute path, or nothing stays as it is)."""
-    if not location or "://" in location or os.path.isabs(location):
+def _beside(base: str, location: str | None, where: str) -> str | None:
+    """An image: a URL nbd-verity reads, or a path, relative to the file's directory
+    (an absolute path, or nothing, stays as it is); anything else with :// is refused."""
+    if not location or is_url(location):
         return location
+    if "://" in location:
+        raise ConfigError(f"{where}: {redact(location)} is neither a path nor a URL "
+                          f"nbd-verity reads (nbd, nbds, nbd+unix, nbds+unix, http, "
+                          f"https, s3)")
     return os.path.join(base, location)
+
+
+def secret_warning(path: str, values: dict[str, str]) -> str | None:
+    """One line when the file holds a secret (a URL's password, or a query: tokens,
+    presigned signatures) and other users can read it: o+r on the file and o+x on its
+    directory. A group that may read it is the admin's choice (0640), as systemd's
+    credentials allow; the line never holds the secret."""
+    words = [values.get("DATA", ""), values.get("HASH", ""), *values.get("ARGS", "").split()]
+    if not any(_holds_secret(word) for word in words):
+        return None
+    try:
+        file_mode = os.stat(path).st_mode
+        dir_mode = os.stat(os.path.dirname(os.path.abspath(path))).st_mode
+    except OSError:
+        return None
+    if not (file_mode & stat.S_IROTH and dir_mode & stat.S_IXOTH):
+        return None
+    return (f"warning: {path}: holds a secret (a URL's password or query) and other users "
+            f"can read it: chmod 0600 (or 0640 for a group), or keep the secret in a "
+            f"credential (systemd's LoadCredential=; see docs/trust.md)")
+
+
+def _holds_secret(word: str) -> bool:
+    """Whether a word is a URL with a password in its user part, or with a query (an NBD
+    URI's query holds file names, not secrets)."""
+    if "://" not in word:
+        return False
+    try:
+        parts = urllib.parse.urlsplit(word)
+    except ValueError:  # not even a URL (an odd [host]): warn rather than miss one
+        return True
+    return parts.password is not None or bool(parts.query and parts.scheme not in URI_SCHEMES)
 
 
 def _read_text(path: str) -> str:
@@ -211,6 +290,8 @@ def parse_args(text: str, where: str) -> dict:
                 raise ConfigError(f"{where}: {flag} needs a value")
             inline = words[i]
             i += 1
+        if option.dest in PATH_DESTS and "://" in inline:
+            raise ConfigError(f"{where}: {flag} takes a path, not a URL")
         value = _typed(option.dest, inline, where, flag)
         if option.repeat:
             options.setdefault(option.dest, []).append(value)

@@ -13,10 +13,13 @@ from nbd_verity.errors import ConfigError
 from nbd_verity.serve.exportfile import (
     LISTEN_OPTIONS,
     OPTIONS,
+    PATH_DESTS,
+    ExportFile,
     export_name,
     parse_args,
     parse_environment,
     read_export_file,
+    secret_warning,
 )
 
 
@@ -112,3 +115,72 @@ def test_a_fifo_is_refused_without_opening_it(tmp_path):
     os.mkfifo(fifo)
     with pytest.raises(ConfigError, match="not a regular file"):
         read_export_file(str(fifo))
+
+
+# What the server owns, one for all its images (docs/server.md's table says the same).
+SERVERS = {"--trusted-certs", "--require-signatures", "--restart-on-corruption",
+           "--threshold", "--threshold-preset", "--workers", "--default-class",
+           "--serialize", "--parallel", "--thread-model", "--threads", "--log-rate"}
+
+
+def test_trust_anchors_and_policy_are_the_servers():
+    assert {flag for flag, option in OPTIONS.items() if option.server} == SERVERS
+    spec = ExportFile("x.conf", "x", "/d", options=parse_args(
+        "--trusted-certs /b.crt --require-signatures --root-hash-signature /s.p7s "
+        "--cache-size 1M", "ARGS"))
+    assert sorted(spec.server_options()) == ["--require-signatures", "--trusted-certs"]
+
+
+@pytest.mark.parametrize("flag", sorted(f for f, o in OPTIONS.items() if o.dest in PATH_DESTS))
+def test_a_path_option_takes_no_url(flag):
+    with pytest.raises(ConfigError, match=f"^ARGS: {flag} takes a path, not a URL$"):
+        parse_args(f"{flag} http://images.example/x", "ARGS")
+    with pytest.raises(ConfigError, match=f"{flag} takes a path, not a URL"):
+        parse_args(f"{flag}=s3://bucket/x", "ARGS")
+
+
+def test_an_image_with_an_unknown_scheme_is_refused(tmp_path):
+    conf = tmp_path / "img.conf"
+    conf.write_text("DATA=ftp://alice:pw@host/disk.raw\n")
+    with pytest.raises(ConfigError, match=r"DATA: ftp://\*\*\*@host/disk.raw is neither a "
+                                          r"path nor a URL"):
+        read_export_file(str(conf))
+    conf.write_text("DATA=https://host/disk.raw\nHASH=nbd+unix:///?socket=/s\n")
+    spec = read_export_file(str(conf))
+    assert (spec.data, spec.hash_image) == ("https://host/disk.raw", "nbd+unix:///?socket=/s")
+
+
+@pytest.mark.parametrize("text, secret", [
+    ("DATA=https://alice:pw@host/d.raw\n", True),
+    ("DATA=/d.raw\nHASH=https://host/h?X-Amz-Signature=abc\n", True),
+    ("DATA=/d.raw\nARGS=--s3-endpoint http://k:s@127.0.0.1:9000\n", True),
+    ("DATA=https://alice@host/d.raw\n", False),  # a user name is not a secret
+    ("DATA=nbd+unix:///x?socket=/run/s.sock\n", False),  # file names, not secrets
+    ("DATA=/d.raw\nHASH=/h?x\n", False),  # a path
+])
+def test_a_secret_readable_by_others_is_one_warning(tmp_path, text, secret):
+    tmp_path.chmod(0o755)
+    conf = tmp_path / "s.conf"
+    conf.write_text(text)
+    conf.chmod(0o644)
+    warning = secret_warning(str(conf), parse_environment(text, str(conf)))
+    if not secret:
+        assert warning is None
+        return
+    assert warning.startswith(f"warning: {conf}: holds a secret") and "chmod 0600" in warning
+    assert "pw" not in warning and "abc" not in warning and ":s@" not in warning
+    conf.chmod(0o640)  # a group the admin chose: no warning
+    assert secret_warning(str(conf), parse_environment(text, str(conf))) is None
+    conf.chmod(0o644)
+    tmp_path.chmod(0o750)  # others cannot reach it
+    assert secret_warning(str(conf), parse_environment(text, str(conf))) is None
+
+
+def test_the_warning_goes_to_warn_and_the_file_is_still_read(tmp_path):
+    tmp_path.chmod(0o755)
+    conf = tmp_path / "s.conf"
+    conf.write_text("DATA=https://alice:pw@host/d.raw\n")
+    conf.chmod(0o604)
+    said: list[str] = []
+    spec = read_export_file(str(conf), warn=said.append)
+    assert spec.data == "https://alice:pw@host/d.raw" and len(said) == 1
