@@ -180,7 +180,7 @@ def bad_files(directory: Path, images, signer) -> dict[str, str]:
     (directory / "server.conf").write_text(f"DATA={good.data}\nHASH={good.hash}\n"
                                            f"ROOT_HASH={good.root}\nARGS=--workers 2\n")
     return {"missing": "No such file", "wrongroot": "does not match",
-            "badsig": "root-hash-signature", "fifo": "not a regular file",
+            "badsig": "--trusted-certs is the server's", "fifo": "not a regular file",
             "dir": "not a regular file", "server": "--workers is the server's"}
 
 
