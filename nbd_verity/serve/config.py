@@ -68,9 +68,12 @@ def parse_bool(key: str, text: str) -> bool:
 
 
 def absolute_file(key: str, text: str) -> str:
-    """A path made absolute (nbdkit changes directory to / when it daemonizes)."""
+    """A path made absolute (nbdkit changes directory to / when it daemonizes); a URL
+    is refused, never read as a local path under the working directory."""
     if not text:
         raise ConfigError(f"{key}: empty path")
+    if "://" in text:
+        raise ConfigError(f"{key}: takes a path, not a URL")
     return os.path.abspath(text)
 
 
@@ -221,7 +224,7 @@ _DEFAULTS = {f.name: f.default for f in fields(ServerConfig)}
 def _render(key: Key, value) -> str:
     """A `serve` option's value as the plugin key's text (paths made absolute)."""
     if key.parse is absolute_file:
-        return os.path.abspath(value)
+        return absolute_file(key.name, value)
     if key.parse is image_location:
         return image_location(key.name, value)
     if isinstance(value, bool):

@@ -11,7 +11,7 @@ settle the root of trust, check the tree (device.py).
 from __future__ import annotations
 
 from ..errors import ConfigError
-from .config import IGNORE_CORRUPTION, RESTART_ON_CORRUPTION, plugin_pairs
+from .config import IGNORE_CORRUPTION, RESTART_ON_CORRUPTION, absolute_file, plugin_pairs
 
 
 def settle_ddi_arguments(options: dict) -> None:
@@ -40,8 +40,9 @@ def image_pairs(options: dict, started: list | None = None) -> list[tuple[str, s
     options = dict(options)
     if options.get("ignore_corruption") and options.get("restart_on_corruption"):
         raise ConfigError("ignore-corruption: conflicts with restart-on-corruption")
+    credentials = options.get("s3_credentials")
     s3 = S3Options(options.get("s3_endpoint"), options.get("s3_profile"),
-                   options.get("s3_credentials"))
+                   absolute_file("s3-credentials", credentials) if credentials else None)
     settle_ddi_arguments(options)
     checked = remote_sidecars(options, s3) if options.get("partition") is None else ()
     images = {role: options[role] for role in ("data", "hash_image") if options.get(role)}

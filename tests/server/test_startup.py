@@ -175,3 +175,18 @@ def test_unreadable_image_is_refused_at_start_up(default_image, tmp_path, sockdi
                                               str(unreadable))], timeout=20)
     line = assert_one_clear_line(result)
     assert line.endswith(f"{role}: {unreadable}: Permission denied")
+
+
+# -- a path option takes a path: a URL there is never read under the working directory ----
+
+@pytest.mark.parametrize("option", ["--root-hash-file", "--trusted-certs",
+                                    "--root-hash-signature", "--fec-device"])
+def test_a_url_given_to_a_path_option_is_refused(default_image, sockdir, tmp_path, option):
+    planted = tmp_path / "http:" / "images.example" / "b"
+    planted.parent.mkdir(parents=True)
+    planted.write_text(default_image.root + "\n")  # what `./http://images.example/b` names
+    argv = ["/usr/bin/env", "--chdir", str(tmp_path), str(NBD_VERITY), "serve",
+            str(default_image.data), str(default_image.hash),
+            "--unix", os.path.join(sockdir, "refused.sock"), option, "http://images.example/b"]
+    result = run_refusal(argv)
+    assert_one_clear_line(result, option.removeprefix("--"), "takes a path, not a URL")
