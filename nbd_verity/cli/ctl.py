@@ -6,16 +6,17 @@ import json
 
 import click
 
-from ..control.protocol import request
+from ..control.exports import RELOAD_DEADLINE_S
+from ..control.protocol import CLIENT_TIMEOUT, request
 from ..files import write_atomically
 from ..serve.calibrate import describe
 from ..serve.ioprio import CLASSES
 from .common import EXIT_CORRUPT, edge, fail
 
 
-def checked(path: str, message: dict) -> dict:
+def checked(path: str, message: dict, timeout: float = CLIENT_TIMEOUT) -> dict:
     """A successful reply, or the server's refusal as one line and exit status 1."""
-    reply = request(path, message)
+    reply = request(path, message, timeout)
     if not reply.get("ok"):
         fail(f"server: {reply.get('error', 'unknown error')}", EXIT_CORRUPT)
     return reply
@@ -107,15 +108,22 @@ def stats_cmd(control: str, as_json: bool, reset: bool, export: str | None) -> N
 @ctl.command("exports")
 @click.argument("action", required=False, type=click.Choice(["reload"]))
 @click.option("--json", "as_json", is_flag=True, help="Print the raw reply.")
+@click.option("--deadline", type=click.FloatRange(0, 600, min_open=True),
+              default=RELOAD_DEADLINE_S, show_default=True, metavar="SECONDS",
+              help="reload: the longest the server spends opening export files; one "
+                   "still opening then is refused (not served) and named in the reply.")
 @click.pass_obj
 @edge
-def exports_cmd(control: str, action: str | None, as_json: bool) -> None:
+def exports_cmd(control: str, action: str | None, as_json: bool, deadline: float) -> None:
     """The exports of a many-export server, with their status; `reload` re-reads its
-    directory of export files (new, changed and removed files; a bad one is refused)."""
+    directory of export files (new, changed and removed files; a bad one is refused)
+    and waits for the server's answer: what it says was applied."""
     request: dict = {"cmd": "exports"}
+    timeout = CLIENT_TIMEOUT
     if action == "reload":
-        request["reload"] = True
-    reply = checked(control, request)
+        request.update(reload=True, deadline=deadline)
+        timeout += deadline  # the server answers by its deadline, and this waits for it
+    reply = checked(control, request, timeout)
     if as_json:
         click.echo(json.dumps(reply))
         return

@@ -5,7 +5,10 @@ Requests, beside protocol.py's:
   {"cmd": "exports"}                      -> every export: name, file, size, status V/C,
                                              corruptions, clients, trust, description
   {"cmd": "exports", "reload": true}      -> re-read the directory: added, changed,
-                                             removed, unchanged, refused {file: why}
+                                             removed, unchanged, refused {file: why};
+                                             "deadline": S (default 30) bounds the time
+                                             spent opening files; answered when done,
+                                             other requests meanwhile
   {"cmd": "stats"}                        -> {"exports": {NAME: one export's stats}, ...}
   {"cmd": "stats", "export": "NAME"}      -> that export's stats, as a one-image server's
   {"cmd": "status"} / with "export"       -> every export's status, or one's
@@ -14,13 +17,21 @@ Thresholds are the server's, one table for every export.
 
 from __future__ import annotations
 
-from .protocol import Control, _field
+import threading
+from concurrent.futures import Future
+
+from ..errors import VerityError
+from ..log import log
+from .protocol import Control, ProtocolError, _field
+
+RELOAD_DEADLINE_S = 30.0  # seconds a reload may spend opening export files, in all
+MAX_DEADLINE_S = 600.0  # the longest a reload may be given
 
 FIELDS = {
     "thresholds": {"cmd", "set", "preset"},
     "stats": {"cmd", "reset", "export"},
     "status": {"cmd", "export"},
-    "exports": {"cmd", "reload"},
+    "exports": {"cmd", "reload", "deadline"},
 }
 
 
@@ -43,9 +54,37 @@ class ExportsControl(Control):
             return {"status": self.device.status()}
         return {"status": self.device.export(name).device.status()}
 
-    def _exports(self, request: dict) -> dict:
+    def _exports(self, request: dict) -> dict | Future:
         if _field(request, "reload", bool, False):
-            with self._lock:
-                report = self.device.reload()
-            return {"reload": report, "exports": self.device.listing()}
+            limit = {} if "deadline" not in request else {"deadline_s": _deadline(request)}
+            return _in_background(lambda: {"reload": self.device.reload(**limit),
+                                           "exports": self.device.listing()})
         return {"exports": self.device.listing()}
+
+
+def _deadline(request: dict) -> float:
+    """The reload's deadline in seconds: a number in (0, MAX_DEADLINE_S]."""
+    value = request["deadline"]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not 0 < value <= MAX_DEADLINE_S:
+        raise ProtocolError(f"deadline: {value!r} is not a number of seconds in "
+                            f"(0, {MAX_DEADLINE_S:g}]")
+    return float(value)
+
+
+def _in_background(work) -> Future:
+    """A Future of work's reply, done on a thread of its own: the control thread answers
+    other requests meanwhile, and this one when it is done."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result({"ok": True, **work()})
+        except VerityError as e:
+            future.set_result({"ok": False, "error": str(e)})
+        except Exception as e:  # a bug: one reply and one log line, as handle_line
+            log(f"control: {type(e).__name__}: {e}")
+            future.set_result({"ok": False, "error": f"internal error: {type(e).__name__}"})
+
+    threading.Thread(target=run, name="control-reload", daemon=True).start()
+    return future

@@ -21,6 +21,7 @@ import os
 import socket
 import struct
 import threading
+from concurrent.futures import Future
 
 from ..errors import ConfigError, VerityError
 
@@ -158,8 +159,9 @@ class Control:
         self.device = device
         self._lock = threading.Lock()
 
-    def handle_line(self, line: bytes) -> dict:
-        """The reply to one request line: never raises, whatever the line holds."""
+    def handle_line(self, line: bytes) -> dict | Future:
+        """The reply to one request line, or a Future of it for a request that takes a
+        while (the server answers it when done): never raises, whatever the line holds."""
         if nesting_depth(line) > MAX_DEPTH:
             return {"ok": False, "error": f"nesting deeper than {MAX_DEPTH} levels"}
         try:
@@ -171,7 +173,10 @@ class Control:
         if not isinstance(request, dict):
             return {"ok": False, "error": "a request must be a JSON object"}
         try:
-            return {"ok": True, **self.handle(request)}
+            reply = self.handle(request)
+            if isinstance(reply, Future):  # answered when it is done (a reload)
+                return reply
+            return {"ok": True, **reply}
         except VerityError as e:
             return {"ok": False, "error": str(e)}
         except Exception as e:  # a bug: one reply and one log line, never a dead thread

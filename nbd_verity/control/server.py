@@ -19,6 +19,7 @@ import stat
 import struct
 import threading
 import time
+from concurrent.futures import Future
 
 from ..errors import ConfigError
 from ..log import log
@@ -50,7 +51,9 @@ class ControlServer:
     connection waits, and polling it again at once would spin. A line over
     MAX_REQUEST_LINE gets an error reply and the connection is closed; so is a client that
     leaves MAX_PENDING_REPLY bytes of replies unread. Requests are answered in order, each
-    one completely before the next, MAX_LINES_PER_TURN of one client at a time (then the
+    one completely before the next (a request whose reply is a Future, a reload, is
+    answered when it is done, woken through the socket pair: meanwhile that client's
+    later lines wait and every other client is served), MAX_LINES_PER_TURN of one client at a time (then the
     others have their turn), and a client's next chunk is read only once every line of the
     last one is answered. Beyond RATE_BURST requests at once and RATE_PER_S per second a
     request is refused with RATE_ERROR, which costs next to nothing: a write full of
@@ -62,6 +65,8 @@ class ControlServer:
         self.sock = _bind_private(path)
         self.sock.setblocking(False)
         self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)  # a full pair already wakes the loop
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._resume_accept = 0.0  # monotonic time; the listener rests until then
@@ -93,12 +98,15 @@ class ControlServer:
         try:
             while not self._stopping:
                 timeout = self._select_timeout(selector)
-                queued = [c for c in clients.values() if c.lines]  # their turn comes again
+                queued = [c for c in clients.values() if c.ready()]  # their turn again
                 served = set()
                 for key, events in selector.select(timeout=0.0 if queued else timeout):
                     if key.fileobj is self.sock:
                         self._accept(selector, clients)
-                    elif key.fileobj is not self._wake_r:
+                    elif key.fileobj is self._wake_r:  # a reply done on another thread
+                        with contextlib.suppress(OSError):
+                            self._wake_r.recv(4096)
+                    else:
                         client = clients.get(key.fileobj)
                         if client is not None:
                             self._service(client, events)
@@ -109,8 +117,8 @@ class ControlServer:
                         self._service(client, 0)
                         self._settle(selector, clients, client)
                 now = time.monotonic()
-                for client in [c for c in clients.values()
-                               if now - c.last_active > IDLE_TIMEOUT]:
+                for client in [c for c in clients.values() if c.pending is None
+                               and now - c.last_active > IDLE_TIMEOUT]:
                     self._drop(selector, clients, client)
         finally:
             for client in list(clients.values()):
@@ -167,8 +175,8 @@ class ControlServer:
     def _service(self, client: _Client, events: int) -> None:
         """Read what the client sent, once its earlier lines are all answered; answer a
         turn's worth of lines; write pending replies."""
-        if events & selectors.EVENT_READ and not (client.lines or client.closing
-                                                  or client.eof):
+        if events & selectors.EVENT_READ and not (client.lines or client.pending
+                                                  or client.closing or client.eof):
             try:
                 data = client.conn.recv(65536)
             except BlockingIOError:
@@ -181,18 +189,26 @@ class ControlServer:
             elif data:
                 client.last_active = time.monotonic()
                 client.feed(data)
-        if client.lines:
-            client.answer(self.control)
+        client.collect()
+        if client.lines and client.pending is None:
+            client.answer(self.control, self._wake)
         client.flush()
+
+    def _wake(self, _future=None) -> None:
+        """Wake the loop from another thread (a reply is done)."""
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"x")
 
     def _settle(self, selector, clients: dict, client: _Client) -> None:
         """Close a client that is done; otherwise wait for what it needs next."""
-        done = (client.closing or client.eof) and not (client.out or client.lines)
+        done = (client.closing or client.eof) and not (client.out or client.lines
+                                                       or client.pending)
         if done or client.broken or len(client.out) > MAX_PENDING_REPLY:
             self._drop(selector, clients, client)
             return
         events = selectors.EVENT_WRITE if client.out else 0
-        if not (client.lines or client.closing or client.eof):  # no reading ahead
+        if not (client.lines or client.pending or client.closing or client.eof):
+            # no reading ahead
             events |= selectors.EVENT_READ
         selector.modify(client.conn, events, None)
 
@@ -216,6 +232,7 @@ class _Client:
         self.partial = bytearray()  # the unfinished last line
         self.lines: collections.deque[bytes | None] = collections.deque()  # None: overlong
         self.out = bytearray()  # bytearray: dropping what was sent does not copy the rest
+        self.pending: Future | None = None  # a reply done on another thread; lines wait
         self.eof = self.closing = self.broken = False
         self.last_active = self.refilled = time.monotonic()
         self.tokens = float(RATE_BURST)
@@ -249,8 +266,21 @@ class _Client:
         self.partial.clear()
         self.closing = True  # nothing more is read
 
-    def answer(self, control: Control) -> None:
-        """Answer up to MAX_LINES_PER_TURN queued lines, each within the rate or refused."""
+    def ready(self) -> bool:
+        """Whether the loop has something to do for this client without new input."""
+        return bool(self.lines) and self.pending is None or (
+            self.pending is not None and self.pending.done())
+
+    def collect(self) -> None:
+        """A reply done on another thread goes out, in its place among the others."""
+        if self.pending is not None and self.pending.done():
+            self.out += _encoded(self.pending.result())
+            self.pending = None
+            self.last_active = time.monotonic()
+
+    def answer(self, control: Control, wake) -> None:
+        """Answer up to MAX_LINES_PER_TURN queued lines, each within the rate or refused;
+        a reply that is a Future stops the turn until it is done (wake is called then)."""
         replies = []
         for _ in range(min(len(self.lines), MAX_LINES_PER_TURN)):
             line = self.lines.popleft()
@@ -259,9 +289,14 @@ class _Client:
                                          f"line longer than {MAX_REQUEST_LINE} bytes"}))
                 self.lines.clear()
                 break
-            replies.append(_encoded(control.handle_line(line)) if self._within_rate()
-                           else _RATE_REFUSAL)
+            reply = control.handle_line(line) if self._within_rate() else None
+            if isinstance(reply, Future):
+                self.pending = reply
+                reply.add_done_callback(wake)
+                break
+            replies.append(_encoded(reply) if reply is not None else _RATE_REFUSAL)
         self.out += b"".join(replies)
+        self.collect()  # done at once
 
     def _within_rate(self) -> bool:
         """A token bucket: RATE_BURST at once, refilled at RATE_PER_S."""

@@ -25,15 +25,21 @@ The export map is replaced whole under the reload lock: open() reads it without 
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 import time
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field, replace
 
+from ..control.exports import RELOAD_DEADLINE_S
 from ..control.table import CALIBRATED, CLASSES, class_index, preset, table_dict, updated_table
 from ..errors import ConfigError, VerityError
 from ..log import log
+from ..sources.remote import redact_text
+from ..sources.upstream import stop_upstreams
+from ..trust.certs import DEFAULT_SEARCH_PATH
+from ..trust.remote_sidecar import close_private
+from ..trust.sidecar import auxiliary_path
 from .calibrate import calibrate_apart
 from .config import ServerConfig, config_from_pairs, parse_size
 from .device import Connection, Device, Hooks, Shared
@@ -41,6 +47,10 @@ from .exportfile import export_files, read_export_file
 from .image import image_pairs
 from .nbdkit_compat import nbdkit_version, version_text
 from .pool import ClassPool
+
+OPENERS = 4  # export files one reload opens at once (each may wait on the network)
+# what sits beside a local image and may carry its trust (trust/sidecar.py)
+SIDECAR_SUFFIXES = (".roothash", ".roothash.p7s", ".usrhash", ".usrhash.p7s", ".verity")
 
 
 @dataclass
@@ -65,13 +75,110 @@ class Export:
 
     def close(self) -> None:
         self.device.close()
-        for server in self.upstreams:
-            server.stop()
+        stop_upstreams(self.upstreams)
 
 
 def file_identity(path: str) -> tuple:
+    """What tells a file changed: its size, times (ctime: a chmod, an xattr) and inode."""
     st = os.stat(path)
-    return st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev
+    return st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev
+
+
+def trust_identity(config: ServerConfig, spec) -> tuple:
+    """The state of every local file an export's trust rests on: the server's trusted
+    certificates (a file, a directory, or verity.d's places), the export's root hash and
+    signature files, and the sidecars beside a local image. A reload that finds it
+    changed opens the export anew, and drops it if it no longer opens."""
+    places = ((config.trusted_certs,) if config.trusted_certs else DEFAULT_SEARCH_PATH)
+    files = [*places, spec.options.get("root_hash_file"),
+             spec.options.get("root_hash_signature")]
+    if "://" not in spec.data:
+        files += [auxiliary_path(spec.data, suffix) for suffix in SIDECAR_SUFFIXES]
+    return tuple((path, _state(path)) for path in files if path)
+
+
+def _state(path: str):
+    """A file's identity; a directory's, with its entries' (a certificate added or
+    removed); None when absent."""
+    try:
+        identity = file_identity(path)
+    except OSError:
+        return None
+    if not os.path.isdir(path):
+        return identity
+    try:
+        names = sorted(os.listdir(path))
+    except OSError:
+        return identity
+    return identity, tuple((n, _state(os.path.join(path, n))) for n in names)
+
+
+@dataclass
+class _Job:
+    """One export file a reload opens (or refused before opening: identity empty)."""
+
+    name: str
+    path: str
+    old: Export | None  # the export it replaces
+    identity: tuple  # (file_identity, trust_identity) of what is opened
+    keep_old: bool  # on failure the old export serves on (a broken edit, trust unchanged)
+
+
+def _open_all(calls: dict, deadline_s: float) -> dict:
+    """Run each call (key -> (function, *args)) on a thread of its own, at most OPENERS
+    at once, for deadline_s seconds in all: key -> its result, or a one-line reason it
+    failed or is still running. What opens after the deadline is closed, never served.
+    Daemon threads: one stuck on a silent server never holds up the server's exit."""
+    gate = threading.BoundedSemaphore(OPENERS)
+    futures = {}
+    for key, (function, *args) in calls.items():
+        future: Future = Future()
+        futures[key] = future
+        threading.Thread(target=_run, args=(future, gate, function, args),
+                         name="export-open", daemon=True).start()
+    wait(futures.values(), timeout=deadline_s)
+    results = {}
+    for key, future in futures.items():
+        if future.done():
+            error = future.exception()
+            results[key] = _why(error) if error is not None else future.result()
+            continue
+        if not future.cancel():  # running: whatever it opens is closed when it ends
+            future.add_done_callback(_close_late)
+        results[key] = (f"still opening after {deadline_s:g} s: not served (the next "
+                        f"reload tries again)")
+    return results
+
+
+def _run(future: Future, gate, function, args) -> None:
+    with gate:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(function(*args))
+        except BaseException as e:  # noqa: BLE001 - handed to the reload as its reason
+            future.set_exception(e)
+
+
+def _close_late(future: Future) -> None:
+    """An export that opened after its reload's deadline: closed, never served."""
+    if not future.cancelled() and future.exception() is None:
+        export = future.result()
+        export.close()
+        log(f"export {export.name}: opened after the reload's deadline; closed")
+
+
+def _why(error: BaseException) -> str:
+    """One line for a refused export file."""
+    if isinstance(error, VerityError):
+        return str(error)
+    if isinstance(error, OSError):
+        return error.strerror or str(error)
+    return f"{type(error).__name__}: {error}"
+
+
+def _quiet(line: str) -> None:
+    """Warnings of a file only looked at (they are logged when it is opened)."""
 
 
 class ExportSet:
@@ -86,7 +193,8 @@ class ExportSet:
         self._exports: dict[str, Export] = {}  # replaced whole, never changed in place
         self._retired: list[Export] = []
         self.refused: dict[str, str] = {}  # file -> why, from the last (re)load
-        self._lock = threading.RLock()  # reloads and connection counts
+        self._lock = threading.RLock()  # the map's swap, connection counts, _retired
+        self._reloading = threading.Lock()  # one reload at a time (never held by open())
         self._explicit = {name: parse_size(f"threshold {name}", value)
                           for name, value in config.thresholds.items()}
         self.dispatcher = TableOfAll(self, updated_table(preset(config.threshold_preset),
@@ -181,84 +289,124 @@ class ExportSet:
 
     # -- loading ---------------------------------------------------------------------
 
-    def reload(self) -> dict:
+    def reload(self, deadline_s: float = RELOAD_DEADLINE_S) -> dict:
         """Re-read the directory (see the module docstring); what changed, and why any
-        file was refused."""
-        with self._lock:
-            current = dict(self._exports)
+        file was refused. New and changed files are opened outside _lock, at most
+        deadline_s seconds in all; the map is swapped under it."""
+        with self._reloading:
             report: dict = {"added": [], "changed": [], "removed": [], "unchanged": [],
                             "refused": {}}
             try:
                 paths = export_files(self.directory)
             except ConfigError as e:  # the directory itself is gone: change nothing
-                report["refused"][self.directory] = str(e)
-                self.refused = dict(report["refused"])
+                self._refuse(report, self.directory, str(e))
+                self._publish(dict(self._exports), report)
                 return report
-            seen = set()
+            current = dict(self._exports)  # only reloads replace it, one at a time
+            jobs = {}
             for path in paths:
-                self._reload_one(path, current, report, seen)
-            for name in sorted(set(current) - seen):
-                self._retire(current.pop(name))
+                job = self._plan(path, current, report)
+                if job is not None:
+                    jobs[path] = job
+            opened = _open_all({path: (self._load, path, job.identity)
+                                for path, job in jobs.items() if job.identity}, deadline_s)
+            for path, job in jobs.items():
+                self._settle(job, opened.get(path), current, report)
+            named = {os.path.basename(p).removesuffix(".conf") for p in paths}
+            for name in sorted(set(current) - named):
+                del current[name]
                 report["removed"].append(name)
                 self.say(f"export {name}: removed; new connections are refused")
-            self._exports = current
-            self.refused = dict(report["refused"])
-            self._resize_caches()
+            self._publish(current, report)
             return report
 
-    def _reload_one(self, path: str, current: dict, report: dict, seen: set) -> None:
+    def _plan(self, path: str, current: dict, report: dict) -> _Job | None:
+        """A file to open (new, or it or its trust changed), or None: unchanged, or
+        refused before anything is opened."""
+        name = os.path.basename(path).removesuffix(".conf")
+        old = current.get(name)
         try:
-            spec_name = os.path.basename(path).removesuffix(".conf")
-            old = current.get(spec_name)
             identity = file_identity(path)
-            if old is not None and old.identity == identity and old.path == path:
-                seen.add(spec_name)
-                report["unchanged"].append(spec_name)
-                return
-            export = self._load(path, identity)
+            trust = trust_identity(self.config, read_export_file(path, warn=_quiet))
         except (VerityError, OSError) as e:
-            why = str(e) if isinstance(e, VerityError) else e.strerror
-            why = why if why.startswith(path) else f"{path}: {why}"
-            report["refused"][path] = why
-            self.say(f"refused: {why}")
-            if old is not None:  # a broken edit keeps the export that was serving
-                seen.add(spec_name)
+            self._refuse(report, path, _why(e))
+            if old is None or old.path != path:
+                return None
+            return _Job(name, path, old, (), keep_old=True)  # a broken edit: old one serves
+        if old is not None and old.identity == (identity, trust) and old.path == path:
+            report["unchanged"].append(name)
+            return None
+        # a changed trust (a certificate gone, a new signature) never keeps the old one
+        keep_old = old is not None and old.identity[1] == trust and old.path == path
+        return _Job(name, path, old, (identity, trust), keep_old)
+
+    def _settle(self, job: _Job, outcome, current: dict, report: dict) -> None:
+        """Put an opened export in current, or refuse its file (keeping or dropping the
+        export it replaces)."""
+        if not job.identity:  # refused by _plan; the old export stays
             return
-        seen.add(export.name)
-        if old is not None:
-            self._retire(old)
-            report["changed"].append(export.name)
-            self.say(f"export {export.name}: replaced for new connections "
-                     f"({export.description()})")
+        if isinstance(outcome, str):
+            self._refuse(report, job.path, outcome)
+            if job.old is not None and not job.keep_old:
+                current.pop(job.name, None)
+                report["removed"].append(job.name)
+                self.say(f"export {job.name}: its trust changed and it no longer opens; "
+                         f"new connections are refused")
+            return
+        if job.old is not None:
+            report["changed"].append(job.name)
+            self.say(f"export {job.name}: replaced for new connections "
+                     f"({outcome.description()})")
         else:
-            report["added"].append(export.name)
-            self.say(f"export {export.name}: serving ({export.description()})")
-        current[export.name] = export
+            report["added"].append(job.name)
+            self.say(f"export {job.name}: serving ({outcome.description()})")
+        current[job.name] = outcome
+
+    def _refuse(self, report: dict, path: str, why: str) -> None:
+        why = redact_text(why if why.startswith(path) else f"{path}: {why}")
+        report["refused"][path] = why
+        self.say(f"refused: {why}")
+
+    def _publish(self, current: dict, report: dict) -> None:
+        """Swap the new map in under _lock: new exports take the server's table now, the
+        ones replaced or removed retire."""
+        with self._lock:
+            old = self._exports
+            for name, export in current.items():
+                if old.get(name) is not export:
+                    export.device.dispatcher.set_table(self.dispatcher.table,
+                                                       self.dispatcher.pinned)
+            self._exports = current
+            for name, export in old.items():
+                if current.get(name) is not export:
+                    self._retire(export)
+            self.refused = dict(report["refused"])
+            self._resize_caches()
 
     def _load(self, path: str, identity: tuple) -> Export:
         """Open one export file's image completely, or raise in one line."""
-        spec = read_export_file(path)
+        spec = read_export_file(path, warn=self.say)
         server_only = spec.server_options()
         if server_only:
             raise ConfigError(f"{path}: ARGS: {', '.join(server_only)} is the server's "
                               f"(give it to `nbd-verity serve --exports`)")
         options = dict(spec.options, data=spec.data, hash_image=spec.hash_image,
-                       root_hash=spec.root_hash)
-        if self.config.require_signatures:  # --require-signatures for all
-            options["require_signatures"] = True
-        if options.get("trusted_certs") is None and self.config.trusted_certs:
-            options["trusted_certs"] = self.config.trusted_certs
+                       root_hash=spec.root_hash,  # trust is the server's, for every export
+                       require_signatures=self.config.require_signatures,
+                       trusted_certs=self.config.trusted_certs)
         upstreams: list = []
+        pairs: list = []
         try:
-            config = config_from_pairs(image_pairs(options, upstreams))
+            pairs = image_pairs(options, upstreams)
+            config = config_from_pairs(pairs)
             shared = Shared(self.dispatcher.table, self.workers, self.pool,
                             self.dispatcher.pinned)
             device = Device(replace(config, control=None), self.hooks, shared)
         except BaseException:
-            for server in upstreams:
-                server.stop()
+            stop_upstreams(upstreams)
             raise
-        _close_private(config.root_hash_signature)
+        finally:  # a fetched signature's memory file: checked by now, or refused
+            close_private(dict(pairs).get("root-hash-signature"))
         return Export(spec.name, path, identity, device, upstreams)
 
     def _retire(self, export: Export) -> None:
@@ -342,11 +490,3 @@ class TableOfAll:
                 self.pinned = frozenset(pinned)
             for export in (*self._exports.exports().values(), *self._exports._retired):
                 export.device.dispatcher.set_table(table, self.pinned)
-
-
-def _close_private(path: str | None) -> None:
-    """A fetched signature was handed over in a memory file (trust/remote_sidecar.py):
-    once the Device has checked it, its descriptor goes."""
-    if path and path.startswith("/proc/self/fd/"):
-        with contextlib.suppress(ValueError, OSError):
-            os.close(int(path.rsplit("/", 1)[1]))

@@ -37,6 +37,7 @@ def image_pairs(options: dict, started: list | None = None) -> list[tuple[str, s
     started (the caller stops them with the image)."""
     from ..sources.s3 import S3Options
     from ..sources.upstream import UpstreamOptions, attach
+    from ..trust.remote_sidecar import close_private
     options = dict(options)
     if options.get("ignore_corruption") and options.get("restart_on_corruption"):
         raise ConfigError("ignore-corruption: conflicts with restart-on-corruption")
@@ -48,7 +49,11 @@ def image_pairs(options: dict, started: list | None = None) -> list[tuple[str, s
     images = {role: options[role] for role in ("data", "hash_image") if options.get(role)}
     upstream = UpstreamOptions(bool(options.get("upstream_cache")),
                                options.get("upstream_cache_size"), s3)
-    options.update(attach(images, upstream, started, checked))
+    try:
+        options.update(attach(images, upstream, started, checked))
+    except BaseException:  # a fetched signature goes with the image it came for
+        close_private(options.get("root_hash_signature"))
+        raise
     options["error_mode"] = (IGNORE_CORRUPTION if options.get("ignore_corruption") else
                              RESTART_ON_CORRUPTION if options.get("restart_on_corruption")
                              else None)

@@ -32,10 +32,14 @@ names URLs through redact(): no password and no query.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import queue
 import subprocess
 import tempfile
+import threading
 import urllib.parse
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -147,12 +151,11 @@ def start_upstream(url: str, directory: str, name: str,
                       socket=sock, pid_file=pid_file, env=options.s3.environment(),
                       name=f"upstream for {name} ({redact(url)})")
     try:
-        server.proc = subprocess.Popen(server.argv, stdin=subprocess.DEVNULL,
-                                       stdout=subprocess.DEVNULL, env=server.env)
+        server.proc = _spawn(server.argv, server.env)
         try:
             server.wait_ready(START_TIMEOUT)
         except BaseException:
-            server.stop()
+            stop_upstreams([server])
             raise
     finally:
         if secret_file is not None:
@@ -188,9 +191,73 @@ def attach(images: dict[str, str], options: UpstreamOptions,
                 started[text] = uri
                 servers.append(server)
     except BaseException:
-        for server in servers:
-            server.stop()
+        stop_upstreams(servers)
+        _remove_empty(directory)
         raise
     if started_servers is not None:
         started_servers.extend(servers)
     return {role: started.get(text, text) for role, text in images.items()}
+
+
+def stop_upstreams(servers: list) -> None:
+    """Stop captive upstreams by pid and remove what they leave in their private
+    directory (nbdkit 1.32 leaves its socket and pid file), then the directory once
+    empty: a refused or closed remote export leaves nothing behind."""
+    for server in servers:
+        server.stop()
+        for path in (server.socket, server.pid_file):
+            if path:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+        if server.socket:
+            _remove_empty(os.path.dirname(server.socket))
+
+
+def _remove_empty(directory: str) -> None:
+    with contextlib.suppress(OSError):  # not empty: another upstream of the image lives
+        os.rmdir(directory)
+
+
+class _Spawner:
+    """The one thread that starts captive upstreams. nbdkit's --exit-with-parent is
+    PR_SET_PDEATHSIG, which fires when the *thread* that forked the child ends: an
+    upstream started on a reload's short-lived opener thread would die with it. So every
+    Popen of another thread runs here, on a daemon thread that lives as long as the
+    process (made anew in a forked child, where the parent's threads are gone); the main
+    thread starts its own (it lives on through `serve`'s exec of nbdkit: a thread of
+    its own would end at the exec)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # guards _thread and _jobs' creation
+        self._thread: threading.Thread | None = None
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+
+    def spawn(self, argv: list[str], env) -> subprocess.Popen:
+        if threading.current_thread() is threading.main_thread():  # lives on, even
+            return self._popen(argv, env)  # through `serve`'s exec of nbdkit
+        done: Future = Future()
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._jobs = queue.SimpleQueue()
+                self._thread = threading.Thread(target=self._loop, args=(self._jobs,),
+                                                name="upstream-spawner", daemon=True)
+                self._thread.start()
+            self._jobs.put((argv, env, done))
+        return done.result()
+
+    @staticmethod
+    def _popen(argv: list[str], env) -> subprocess.Popen:
+        return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                env=env)
+
+    @staticmethod
+    def _loop(jobs: queue.SimpleQueue) -> None:
+        while True:
+            argv, env, done = jobs.get()
+            try:
+                done.set_result(_Spawner._popen(argv, env))
+            except BaseException as e:  # noqa: BLE001 - raised in the caller's thread
+                done.set_exception(e)
+
+
+_spawn = _Spawner().spawn

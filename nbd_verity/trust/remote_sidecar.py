@@ -17,6 +17,7 @@ plugin checks against the trusted certificates (and requires with require-signat
 
 from __future__ import annotations
 
+import contextlib
 import os
 import urllib.error
 import urllib.parse
@@ -151,3 +152,11 @@ def private_label(path: str) -> str:
     if target.startswith("/memfd:"):
         return target.removeprefix("/memfd:").removesuffix(" (deleted)")
     return path
+
+
+def close_private(path: str | None) -> None:
+    """Close the memory file write_private made for path, once it has been read (or
+    the image it came with was refused); any other path is left alone."""
+    if path and path.startswith("/proc/self/fd/"):
+        with contextlib.suppress(ValueError, OSError):
+            os.close(int(path.rsplit("/", 1)[1]))
