@@ -4,20 +4,28 @@
 shipped units name /usr/local/bin/nbd-verity; the test verifies a copy where only that path
 is replaced by this checkout's entry point, and asserts nothing else changed. Then the
 service's own ExecStart line, expanded as systemd would expand it, runs under
-`systemd-socket-activate` and serves a veritysetup image to a libnbd client.
+`systemd-socket-activate` and serves a veritysetup image to a libnbd client, in as much
+of the unit's sandbox as this machine can set up without systemd as pid 1 (as_unit):
+its account (User=, Group=: the sysusers file's, or an unused id where the account does
+not exist), no capability, no new privileges, and a /proc of its own processes only,
+reading the export file and the images through the group. `systemd-analyze security`
+scores the server units' exposure.
 """
 
 from __future__ import annotations
 
 import errno
+import grp
 import json
 import os
+import pwd
 import random
 import re
 import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import nbd  # python3-libnbd, a Debian package; the venv sees system site-packages
@@ -26,6 +34,11 @@ import pytest
 from nbd_verity.launch import Launched
 
 UNITS = Path(__file__).resolve().parent.parent / "systemd"
+SYSUSERS = UNITS / "nbd-verity.sysusers"  # debian/nbd-verity.sysusers is a link to it
+SERVERS = ("nbd-verity@.service", "nbd-verity-exports.service")
+# systemd-analyze security's overall exposure of each server unit, at most (0-10, lower
+# is better): 0.6 with systemd 252 and 257; 1.6 when they ran as root with CAP_SYS_NICE.
+EXPOSURE_BOUND = 0.6
 UNIT_FILES = ("nbd-verity@.service", "nbd-verity@.socket", "nbd-verity-attach@.service",
               "nbd-verity-exports.service", "nbd-verity-exports.socket",
               "nbd-verity-exports-attach@.service")
@@ -121,16 +134,116 @@ def test_example_conf_names_every_variable():
     assert used <= set(conf), f"undocumented: {used - set(conf)}"
 
 
+def test_server_units_exposure_is_bounded(systemd_tools, tmp_path: Path):
+    """Each server unit's overall exposure, as `systemd-analyze security` scores it."""
+    for name in SERVERS:
+        shutil.copy(UNITS / name, tmp_path / name)
+        unit = tmp_path / name.replace("@.", "@demo.")
+        if unit.name != name:
+            (tmp_path / name).rename(unit)
+        out = subprocess.run(["systemd-analyze", "security", "--offline=yes", "--no-pager",
+                              str(unit)], capture_output=True, text=True)
+        found = re.search(r"Overall exposure level for \S+: (\d+\.\d+)", out.stdout)
+        assert found, out.stdout + out.stderr
+        assert float(found[1]) <= EXPOSURE_BOUND, f"{name}: exposure {found[1]}\n{out.stdout}"
+
+
+def test_sysusers_makes_the_servers_account(systemd_tools, tmp_path: Path):
+    """systemd-sysusers, given the package's file, makes the User= and Group= of both
+    server units: a system account without a login."""
+    assert (UNITS.parent / "debian" / "nbd-verity.sysusers").resolve() == SYSUSERS
+    sysusers = tmp_path / "usr" / "lib" / "sysusers.d"
+    sysusers.mkdir(parents=True)
+    shutil.copy(SYSUSERS, sysusers / "nbd-verity.conf")
+    (tmp_path / "etc").mkdir()
+    subprocess.run(["systemd-sysusers", f"--root={tmp_path}", "nbd-verity.conf"],
+                   check=True, capture_output=True)
+    users = {line.split(":")[0]: line.split(":") for line in
+             (tmp_path / "etc" / "passwd").read_text().splitlines()}
+    groups = {line.split(":")[0]: line.split(":")[2] for line in
+              (tmp_path / "etc" / "group").read_text().splitlines()}
+    for name in SERVERS:
+        (user,), (group,) = directive(name, "User"), directive(name, "Group")
+        entry = users[user]
+        assert int(entry[2]) < 1000 and entry[6] == "/usr/sbin/nologin", entry
+        assert groups[group] == entry[3]
+
+
+def unit_ids(unit: str) -> tuple[int, int]:
+    """The uid and gid of the unit's User= and Group=: the account's if this machine has
+    it, else ids nobody has (the kernel needs no account to check permissions)."""
+    (user,), (group,) = directive(unit, "User"), directive(unit, "Group")
+    try:
+        return pwd.getpwnam(user).pw_uid, grp.getgrnam(group).gr_gid
+    except KeyError:
+        uid = next(n for n in range(64000, 65000) if not _known(pwd.getpwuid, n))
+        gid = next(n for n in range(64000, 65000) if not _known(grp.getgrgid, n))
+        return uid, gid
+
+
+def _known(lookup, number: int) -> bool:
+    try:
+        lookup(number)
+        return True
+    except KeyError:
+        return False
+
+
+def as_unit(unit: str, argv: list[str]) -> list[str]:
+    """argv in the unit's sandbox, as far as this machine allows without systemd as pid 1
+    (no CAP_SYS_RESOURCE here for LimitNICE=; PrivateUsers= and the mount namespaces
+    are systemd's): User= and Group=, CapabilityBoundingSet=, NoNewPrivileges=, and a
+    /proc mounted as ProtectProc= and ProcSubset= ask. exec all along: one pid."""
+    uid, gid = unit_ids(unit)
+    assert directive(unit, "CapabilityBoundingSet") == [""]  # none: what -all gives
+    assert directive(unit, "NoNewPrivileges") == ["yes"]
+    (hidepid,), (subset,) = directive(unit, "ProtectProc"), directive(unit, "ProcSubset")
+    mount = f"mount -t proc -o hidepid={hidepid},subset={subset} proc /proc && exec \"$@\""
+    return ["unshare", "--mount", "--propagation", "private", "--", "/bin/sh", "-c", mount,
+            "sh", "setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups",
+            "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", *argv]
+
+
 @pytest.fixture
-def export(tmp_path: Path) -> dict[str, str]:
-    """A 1 MiB random image, its veritysetup tree, and a config like /etc/nbd-verity/X.conf."""
-    data = tmp_path / "data.img"
+def shared_dir():
+    """A folder other users may traverse (tmp_path's parents are root's alone)."""
+    path = Path(tempfile.mkdtemp(prefix="nvsd-"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def group_only(path: Path, gid: int, mode: int) -> Path:
+    """path as the package's folder and an export file with a secret are: root's, the
+    servers' group's, no one else's."""
+    os.chown(path, 0, gid)
+    path.chmod(mode)
+    return path
+
+
+def assert_runs_as_unit(pid: int, unit: str) -> None:
+    """The process has the unit's ids and no capability."""
+    uid, gid = unit_ids(unit)
+    status = Path(f"/proc/{pid}/status").read_text()
+    assert re.search(rf"^Uid:\s+{uid}\s+{uid}\s+{uid}\s+{uid}$", status, re.M), status
+    assert re.search(rf"^Gid:\s+{gid}\s+{gid}\s+{gid}\s+{gid}$", status, re.M), status
+    assert re.search(r"^CapEff:\s+0+$", status, re.M), status
+
+
+@pytest.fixture
+def export(shared_dir: Path) -> dict[str, str]:
+    """A 1 MiB random image, its veritysetup tree, and a config like /etc/nbd-verity/X.conf;
+    the images readable by the servers' group alone."""
+    _, gid = unit_ids("nbd-verity@.service")
+    data = shared_dir / "data.img"
     data.write_bytes(random.Random(5).randbytes(256 * BLOCK))
-    root_file = tmp_path / "root.txt"
-    subprocess.run(["veritysetup", "format", str(data), str(tmp_path / "hash.img"),
+    root_file = shared_dir / "root.txt"
+    subprocess.run(["veritysetup", "format", str(data), str(shared_dir / "hash.img"),
                     f"--root-hash-file={root_file}"], check=True, capture_output=True)
+    for image in (data, shared_dir / "hash.img"):
+        group_only(image, gid, 0o640)
     conf = read_conf(UNITS / "nbd-verity.conf.example")
-    conf.update(DATA=str(data), HASH=str(tmp_path / "hash.img"),
+    conf.update(DATA=str(data), HASH=str(shared_dir / "hash.img"),
                 ROOT_HASH=root_file.read_text().strip())
     return conf
 
@@ -149,32 +262,50 @@ def unit_argv(unit: str, key: str, specifiers: dict, conf_dir: Path, env=None) -
             for a in argv]
 
 
-def test_socket_activated_service_serves(systemd_tools, export, tmp_path: Path):
+def runtime_directory(runtime: Path, unit: str, name: str) -> None:
+    """The unit's RuntimeDirectory= under runtime, as systemd makes it: its user's, 0700."""
+    (mode,) = directive(unit, "RuntimeDirectoryMode")
+    path = runtime / "nbd-verity" / name
+    path.mkdir(parents=True)
+    os.chown(path, *unit_ids(unit))
+    path.chmod(int(mode, 8))
+
+
+def conf_folder(parent: Path, unit: str) -> Path:
+    """A folder like the package's /etc/nbd-verity: 0750 root:nbd-verity."""
+    conf_dir = parent / "etc"
+    conf_dir.mkdir()
+    return group_only(conf_dir, unit_ids(unit)[1], 0o750)
+
+
+def test_socket_activated_service_serves(systemd_tools, export, shared_dir: Path):
+    unit = "nbd-verity@.service"
     data = Path(export["DATA"])
     # Corrupt block 9 after formatting: the served image no longer matches its tree.
     with open(data, "r+b") as f:
         f.seek(9 * BLOCK)
         f.write(b"\xff" * 16)
-    runtime = tmp_path / "run"
-    (runtime / "nbd-verity" / "demo").mkdir(parents=True)  # the unit's RuntimeDirectory
+    runtime = shared_dir / "run"
+    runtime_directory(runtime, unit, "demo")
     specifiers = {"i": "demo", "t": str(runtime), "%": "%"}
-    conf_dir = tmp_path / "etc"
-    conf_dir.mkdir()
-    write_conf(conf_dir / "demo.conf", export)  # serve reads it itself (--export-file)
-    argv = unit_argv("nbd-verity@.service", "ExecStart", specifiers, conf_dir)
+    conf_dir = conf_folder(shared_dir, unit)
+    # serve reads it itself (--export-file); 0640 root:nbd-verity, as one with a secret
+    group_only(write_conf(conf_dir / "demo.conf", export), unit_ids(unit)[1], 0o640)
+    argv = as_unit(unit, unit_argv(unit, "ExecStart", specifiers, conf_dir))
     (listen,) = directive("nbd-verity@.socket", "ListenStream")
     sock = re.sub(r"%(.)", lambda m: specifiers[m.group(1)], listen)
     control = runtime / "nbd-verity" / "demo" / "ctl.sock"
     # systemd-socket-activate execs the service on the first connection (the readiness
     # probe's); ready when the exec'd nbdkit's control socket answers (after_fork).
     server = Launched(["systemd-socket-activate", "-l", sock, "-E", "PATH", *argv],
-                      socket=sock, control=control, log_path=tmp_path / "server.log",
+                      socket=sock, control=control, log_path=shared_dir / "server.log",
                       env=os.environ)
     with server.start(timeout=30):
         h = nbd.NBD()
         h.connect_unix(sock)
         # The exec chain kept one pid: nbdkit's LISTEN_PID check passed.
         assert Path(f"/proc/{server.pid}/comm").read_text().strip() == "nbdkit"
+        assert_runs_as_unit(server.pid, unit)
         expected = data.read_bytes()
         assert h.pread(9 * BLOCK, 0) == expected[:9 * BLOCK]
         assert h.pread(246 * BLOCK, 10 * BLOCK) == expected[10 * BLOCK:]
@@ -187,35 +318,40 @@ def test_socket_activated_service_serves(systemd_tools, export, tmp_path: Path):
         assert json.loads(status)["status"]["status"] == "C"
 
 
-def test_socket_activated_exports_service_serves_each_by_name(systemd_tools, tmp_path: Path):
+def test_socket_activated_exports_service_serves_each_by_name(systemd_tools,
+                                                              shared_dir: Path):
     """nbd-verity-exports.service as systemd runs it, on a directory of two export files;
-    its ExecReload adds a third; each reads back its own image by name."""
-    conf_dir = tmp_path / "etc"
-    conf_dir.mkdir()
+    its ExecReload (as the unit's user too) adds a third; each reads back its own image
+    by name."""
+    unit = "nbd-verity-exports.service"
+    conf_dir = conf_folder(shared_dir, unit)
     images = {}
     for n, name in enumerate(("alpha", "beta", "gamma")):
-        data = tmp_path / f"{name}.img"
+        data = shared_dir / f"{name}.img"
         data.write_bytes(random.Random(n).randbytes(64 * BLOCK))
-        root_file = tmp_path / f"{name}.root"
-        subprocess.run(["veritysetup", "format", str(data), str(tmp_path / f"{name}.hash"),
+        root_file = shared_dir / f"{name}.root"
+        subprocess.run(["veritysetup", "format", str(data), str(shared_dir / f"{name}.hash"),
                         f"--root-hash-file={root_file}"], check=True, capture_output=True)
-        images[name] = {"DATA": str(data), "HASH": str(tmp_path / f"{name}.hash"),
+        images[name] = {"DATA": str(data), "HASH": str(shared_dir / f"{name}.hash"),
                         "ROOT_HASH": root_file.read_text().strip()}
+        for image in (data, shared_dir / f"{name}.hash"):  # veritysetup's hash: 0600
+            group_only(image, unit_ids(unit)[1], 0o640)
     for name in ("alpha", "beta"):
         write_conf(conf_dir / f"{name}.conf", images[name])
-    runtime = tmp_path / "run"
-    (runtime / "nbd-verity" / "exports").mkdir(parents=True)
+    runtime = shared_dir / "run"
+    runtime_directory(runtime, unit, "exports")
     specifiers = {"t": str(runtime), "%": "%"}
-    argv = unit_argv("nbd-verity-exports.service", "ExecStart", specifiers, conf_dir)
+    argv = as_unit(unit, unit_argv(unit, "ExecStart", specifiers, conf_dir))
     (listen,) = directive("nbd-verity-exports.socket", "ListenStream")
     sock = re.sub(r"%(.)", lambda m: specifiers[m.group(1)], listen)
     control = runtime / "nbd-verity" / "exports" / "ctl.sock"
     server = Launched(["systemd-socket-activate", "-l", sock, "-E", "PATH", *argv],
-                      socket=sock, control=control, log_path=tmp_path / "server.log",
+                      socket=sock, control=control, log_path=shared_dir / "server.log",
                       env=os.environ)
     with server.start(timeout=30):
+        assert_runs_as_unit(server.pid, unit)
         write_conf(conf_dir / "gamma.conf", images["gamma"])
-        reload = unit_argv("nbd-verity-exports.service", "ExecReload", specifiers, conf_dir)
+        reload = as_unit(unit, unit_argv(unit, "ExecReload", specifiers, conf_dir))
         done = subprocess.run(reload, capture_output=True, text=True, timeout=60)
         assert done.returncode == 0 and "gamma" in done.stdout, done
         for name, image in images.items():

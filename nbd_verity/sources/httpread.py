@@ -16,6 +16,11 @@ connection per NBD connection (the thread model serialises each connection's req
 the multi-conn filter above opens several), reopened after any failure. A read that
 fails is EIO; the retry filter above reopens and retries. Messages show the URL without
 its user part and its query (remote.redact).
+
+Memory is bounded whatever the server says: a read takes at most the bytes asked for and
+one more (a longer body is a lie, seen without reading the rest), and the body of a
+redirect or of the size probe at most BODY_LIMIT; a connection left with unread bytes
+is closed, never drained.
 """
 
 import errno
@@ -33,6 +38,7 @@ API_VERSION = 2
 MAX_REDIRECTS = 5
 TIMEOUT_S = 60.0  # a request taking longer fails (as the verifying source's own bound)
 REDIRECTS = (301, 302, 303, 307, 308)
+BODY_LIMIT = 64 << 10  # of a body read only to reuse the connection (redirect, size probe)
 
 _url = None  # the URL from url-file (with its secrets: never in a message)
 _size = None  # found at config_complete, so a bad URL stops the server before it is ready
@@ -129,20 +135,29 @@ class Connection:
             total = response.getheader("Content-Length", "")
             self.close()
         else:
-            response.read()
+            self._discard(response)
             total = response.getheader("Content-Range", "").rpartition("/")[2]
         if not total.isdigit():
             raise HttpError(f"{redact(_url)}: the server gave no size")
         return int(total)
 
     def read_into(self, buf, offset: int) -> None:
+        """buf from the range at offset; a body longer or shorter than buf fails, and
+        no more than len(buf) + 1 bytes of it are read (pread closes the connection)."""
         response = self._get(f"bytes={offset}-{offset + len(buf) - 1}")
         if response.status != 206:  # a whole file instead of the range: not read
             raise HttpError(f"HTTP {response.status} instead of 206 for a range")
-        body = response.read()
+        body = response.read(len(buf) + 1)
+        if len(body) > len(buf):
+            raise HttpError(f"more than the {len(buf)} bytes asked for")
         if len(body) != len(buf):
             raise HttpError(f"{len(body)} of {len(buf)} bytes")
         buf[:] = body
+
+    def _discard(self, response) -> None:
+        """Read a body nobody needs, up to BODY_LIMIT; close the connection if more."""
+        if len(response.read(BODY_LIMIT + 1)) > BODY_LIMIT:
+            self.close()
 
     def _get(self, byte_range: str):
         """The response to a ranged GET of the URL, after any redirects (body unread)."""
@@ -151,7 +166,7 @@ class Connection:
             response = self._request(url, byte_range)
             if response.status not in REDIRECTS:
                 break
-            response.read()
+            self._discard(response)
             url = urllib.parse.urljoin(url, response.getheader("Location", ""))
             if urllib.parse.urlsplit(url).scheme not in ("http", "https"):
                 raise HttpError(f"{redact(_url)}: redirected to {redact(url)}")

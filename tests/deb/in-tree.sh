@@ -53,6 +53,11 @@ server=$!
 [ "$(cat /proc/$server/comm)" = nbdkit ] || fail "serve did not exec nbdkit"
 kill "$server"; wait "$server" || true
 
+step "the servers' account, and /etc/nbd-verity for its group alone"
+getent passwd nbd-verity | grep -q ':/usr/sbin/nologin$' || fail "no account nbd-verity: $(getent passwd nbd-verity)"
+[ "$(stat -c '%a %U:%G' /etc/nbd-verity)" = "750 root:nbd-verity" ] \
+    || fail "/etc/nbd-verity is $(stat -c '%a %U:%G' /etc/nbd-verity)"
+
 step "units: the checkout's with /usr/bin/nbd-verity, systemd-analyze verify"
 units=()
 for unit in "$here"/systemd/*.service "$here"/systemd/*.socket; do
@@ -63,6 +68,13 @@ for unit in "$here"/systemd/*.service "$here"/systemd/*.socket; do
 done
 out=$(systemd-analyze verify --man=no "${units[@]}" 2>&1) || fail "verify: $out"
 [ -z "$out" ] || fail "verify: $out"
+# The servers' exposure as this release's systemd scores it (tests/test_systemd.py: the bound).
+for unit in nbd-verity@demo.service nbd-verity-exports.service; do
+    systemd-analyze security --offline=yes --threshold=6 --no-pager \
+        "/usr/lib/systemd/system/$unit" > "$here/security.txt" 2>&1 \
+        || fail "$unit: $(grep 'Overall exposure' "$here/security.txt")"
+    step "  $(grep 'Overall exposure' "$here/security.txt")"
+done
 
 step "man pages and bash completion"
 for page in nbd-verity nbd-verity-format nbd-verity-serve nbd-verity-ctl; do
@@ -86,11 +98,16 @@ apt-get install -y -qq ./nbd-verity_"${new}"_*.deb > "$here/upgrade.log" 2>&1 \
     || { tail -20 "$here/upgrade.log"; fail "upgrade"; }
 [ "$(dpkg-query -W -f='${Version}' nbd-verity)" = "$new" ] || fail "not upgraded to $new"
 [ "$(sha256sum /etc/nbd-verity/demo.conf)" = "$sum" ] || fail "demo.conf changed"
+[ "$(stat -c '%a %U:%G' /etc/nbd-verity)" = "750 root:nbd-verity" ] || fail "/etc/nbd-verity after the upgrade"
 nbd-verity --version | grep -qx "nbd-verity $new" || fail "--version after the upgrade"
-nbd-verity serve --export-file /etc/nbd-verity/demo.conf --unix /tmp/t/demo.sock \
+# As the units run it: the account, no capability, through the group's read of the folder.
+install -d -o nbd-verity -g nbd-verity -m 0700 /tmp/t/run
+setpriv --reuid=nbd-verity --regid=nbd-verity --clear-groups --inh-caps=-all \
+    --bounding-set=-all --no-new-privs \
+    nbd-verity serve --export-file /etc/nbd-verity/demo.conf --unix /tmp/t/run/demo.sock \
     > /tmp/t/serve2.log 2>&1 &
 server=$!
-/usr/bin/python3 "$here/readback.py" /tmp/t/demo.sock /tmp/t/data.orig \
+/usr/bin/python3 "$here/readback.py" /tmp/t/run/demo.sock /tmp/t/data.orig \
     || { kill "$server"; cat /tmp/t/serve2.log; fail "readback after the upgrade"; }
 kill "$server"; wait "$server" || true
 
