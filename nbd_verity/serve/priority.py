@@ -6,9 +6,9 @@ class, rt before be before idle, as the kernel's block schedulers serve them.
   keeps it. The verification pool's workers take each task's class while they run it,
   and the pool's queue is ordered by class (dispatch.ClassPool).
 - NICE per class: rt -10, be and none 0, idle 19. Raising a thread above nice 0 needs
-  CAP_SYS_NICE (or an RLIMIT_NICE that allows it; the systemd units grant the
-  capability): without it rt runs at 0, logged once, and still goes first in the pool's
-  queue; lowering works as any user, but a thread lowered cannot come back without the
+  CAP_SYS_NICE or an RLIMIT_NICE that allows it (the units grant LimitNICE=+0; rt's
+  -10 takes a LimitNICE=-10 drop-in, docs/systemd.md): without it rt runs at 0,
+  logged once, and still goes first in the pool's queue; lowering works as any user, but a thread lowered cannot come back without the
   same privilege, so unprivileged pool workers stay at 0 for every class (queue order
   still ranks them).
 - Alone, idle is not lowered: an idle thread runs at nice 19 only while the server has
@@ -104,7 +104,8 @@ def refusal(io_class: int, refused: int, nice: int | None = None) -> None:
         nice = CLASS_NICE[io_class] if nice is None else nice
         log(f"class {CLASSES[io_class]}: cannot set nice {nice} "
             f"({errno.errorcode.get(refused, refused)}; raising a thread's priority needs "
-            f"CAP_SYS_NICE): it keeps the nice it has")
+            f"CAP_SYS_NICE or an RLIMIT_NICE that allows it, systemd's LimitNICE=): it "
+            f"keeps the nice it has")
 
 
 def may_raise() -> bool:
