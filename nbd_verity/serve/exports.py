@@ -14,13 +14,17 @@ A name that is not served fails the handshake with ENOENT (nbdkit answers the cl
 NBD_OPT_GO with an error; the connection stays open for another try).
 
 reload() (`ctl exports reload`) re-reads the directory: a new file is opened completely
-(root hash, signature, sizes, the top of the tree) before any client can see it; a file
-that is refused is one line in the reply and in the log, and every other export keeps
-serving; a changed file (size, mtime or inode) is opened anew and replaces its export for
-new connections only; a removed file refuses new connections at once. A replaced or
-removed export stays open for the clients it has and is closed when the last one leaves.
+before any client can see it; a refused file is one redacted line, and every other export
+keeps serving; a file whose identity changed (it, or what its trust rests on:
+trust_identity) is opened anew and replaces its export for new connections; if it no
+longer opens, a broken edit keeps the old export, a changed trust drops it. A removed file
+refuses new connections at once; a replaced or removed export closes with its last client.
 
-The export map is replaced whole under the reload lock: open() reads it without a lock.
+Locking: `_reloading` makes reloads one at a time; files are opened without any lock, on
+threads of their own within a deadline (_open_all); `_lock` guards only the swap of the
+map (replaced whole, never changed in place: open() reads it under `_lock`, status
+without), connection counts and `_retired`. So a slow upstream holds neither new clients
+of other exports nor the control socket (docs/server.md, "Many exports").
 """
 
 from __future__ import annotations
