@@ -63,7 +63,7 @@ class Export:
 
     name: str
     path: str
-    identity: tuple  # (size, mtime_ns, inode) of the file when it was read
+    identity: tuple  # (file_identity, trust_identity) when it was opened
     device: Device
     upstreams: list = field(default_factory=list)  # captive nbdkits of its URLs
     connections: int = 0
