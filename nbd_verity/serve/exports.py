@@ -47,7 +47,7 @@ from ..trust.sidecar import auxiliary_path
 from .calibrate import calibrate_apart
 from .config import ServerConfig, config_from_pairs, parse_size
 from .device import Connection, Device, Hooks, Shared
-from .exportfile import export_files, read_export_file
+from .exportfile import ExportFile, export_files, read_export_file
 from .image import image_pairs
 from .nbdkit_compat import nbdkit_version, version_text
 from .pool import ClassPool
@@ -66,6 +66,7 @@ class Export:
     identity: tuple  # (file_identity, trust_identity) when it was opened
     device: Device
     upstreams: list = field(default_factory=list)  # captive nbdkits of its URLs
+    spec: ExportFile | None = None  # what its file said (its trust is checked again)
     connections: int = 0
     retired: bool = False  # replaced or removed: closed once its clients have gone
 
@@ -336,7 +337,9 @@ class ExportSet:
             self._refuse(report, path, _why(e))
             if old is None or old.path != path:
                 return None
-            return _Job(name, path, old, (), keep_old=True)  # a broken edit: old one serves
+            # a broken edit keeps the old export, unless what its trust rests on changed
+            same = old.spec is None or trust_identity(self.config, old.spec) == old.identity[1]
+            return _Job(name, path, old, (), keep_old=same)
         if old is not None and old.identity == (identity, trust) and old.path == path:
             report["unchanged"].append(name)
             return None
@@ -347,15 +350,14 @@ class ExportSet:
     def _settle(self, job: _Job, outcome, current: dict, report: dict) -> None:
         """Put an opened export in current, or refuse its file (keeping or dropping the
         export it replaces)."""
-        if not job.identity:  # refused by _plan; the old export stays
+        if not job.identity:  # refused by _plan: the old export stays, unless its trust
+            if not job.keep_old:  # changed
+                self._revoke(job, current, report)
             return
         if isinstance(outcome, str):
             self._refuse(report, job.path, outcome)
             if job.old is not None and not job.keep_old:
-                current.pop(job.name, None)
-                report["removed"].append(job.name)
-                self.say(f"export {job.name}: its trust changed and it no longer opens; "
-                         f"new connections are refused")
+                self._revoke(job, current, report)
             return
         if job.old is not None:
             report["changed"].append(job.name)
@@ -365,6 +367,12 @@ class ExportSet:
             report["added"].append(job.name)
             self.say(f"export {job.name}: serving ({outcome.description()})")
         current[job.name] = outcome
+
+    def _revoke(self, job: _Job, current: dict, report: dict) -> None:
+        current.pop(job.name, None)
+        report["removed"].append(job.name)
+        self.say(f"export {job.name}: its trust changed and it no longer opens; new "
+                 f"connections are refused")
 
     def _refuse(self, report: dict, path: str, why: str) -> None:
         why = redact_text(why if why.startswith(path) else f"{path}: {why}")
@@ -411,7 +419,7 @@ class ExportSet:
             raise
         finally:  # a fetched signature's memory file: checked by now, or refused
             close_private(dict(pairs).get("root-hash-signature"))
-        return Export(spec.name, path, identity, device, upstreams)
+        return Export(spec.name, path, identity, device, upstreams, spec)
 
     def _retire(self, export: Export) -> None:
         """No new connection to export; closed now if it has no client, else at the last."""

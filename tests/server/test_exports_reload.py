@@ -187,6 +187,13 @@ def test_a_reload_after_the_certificate_is_removed_refuses_new_clients(servers, 
     assert reload(server)["added"] == ["signed"]
     assert read_all(connect(server, "signed")) == image.expected()
 
+    (directory / "signed.conf").write_text("not an export file\n")  # a broken edit...
+    assert reload(server)["unchanged"] == [] and exports(server).keys() == {"signed"}
+    (certs / "signer.crt").unlink()  # ...keeps the export only while its trust holds
+    assert reload(server)["removed"] == ["signed"]
+    with pytest.raises(nbd.Error):
+        connect(server, "signed")
+
 
 # -- a refused remote export leaves nothing behind ---------------------------------------
 
