@@ -63,6 +63,7 @@ CLASSES = ("none", "rt", "be", "idle")
 DISPATCH_SLICES = 3  # dispatch: one-second slices per config and round, per SECONDS (one
 # slice's MB/s is 4-10% (sd) from the next of the same dispatch: the mean of 16 is then
 # within about 1-2.5%, by arithmetic, not measured apart)
+RT_BY_NAME = ["--allow-class", "rt"]  # the readers name their class, rt included
 PROCESSES = 2  # dispatch: server processes of each kind per round, started anew each round
 SLICE_S = 1.25  # QoS: the reader's slices alone and beside the load, in turn: longer than
 # the gate's 1 s bound, so that a slice beside the load holds the requests that ran because
@@ -286,8 +287,8 @@ def main(argv: list[str]) -> int:
     images.warm(image.data)
     images.warm(image.hash)
     started = {
-        "priorities on": servers.verity_server("priorities on", image, []),
-        "priorities off": servers.verity_server("priorities off", image, []),
+        "priorities on": servers.verity_server("priorities on", image, RT_BY_NAME),
+        "priorities off": servers.verity_server("priorities off", image, RT_BY_NAME),
     }
     started["priorities off"].env = {**started["priorities off"].env,
                                      "NBD_VERITY_CLASS_PRIORITY": "0"}

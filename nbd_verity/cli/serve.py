@@ -53,6 +53,13 @@ from .common import edge, fec_options, image_arguments, s3_options
               help="Verification pool threads (default: number of CPUs).")
 @click.option("--default-class", default=None, metavar="CLASS",
               help="Class of connections that name none (default be).")
+@click.option("--allow-class", "allow_classes", multiple=True, metavar="CLASS[=UID,...]",
+              help="Let clients choose CLASS by name (NAME@CLASS) although it ranks above "
+                   "the default class: every client, or the Unix-socket peers of these "
+                   "uids (repeatable; without it such a name gets the default class).")
+@click.option("--list-exports", is_flag=True, default=None,
+              help="Answer NBD_OPT_LIST (nbdinfo --list: names, sizes, root hashes, "
+                   "signers); off by default, as nbd-server's allowlist.")
 @click.option("--serialize/--parallel", default=None,
               help="One request in Python at a time (thread model serialize-all-requests), "
                    "or nbdkit's parallel model (a client can abort nbdkit < 1.34).")

@@ -105,6 +105,23 @@ class Target:
         return h
 
 
+def granted(target: Target, clients: Clients, io_class: str) -> None:
+    """Refuse to sweep a class the server did not give the connections named for it (a
+    class above its default needs `serve --allow-class`): its counters must count one
+    read of each."""
+    def counted() -> int | None:
+        row = target.request({"cmd": "stats"})["stats"].get("classes", {}).get(io_class)
+        return None if row is None else row["inline"]["requests"] + row["pool"]["requests"]
+    before = counted()
+    for h in clients.handles:
+        h.pread(4096, 0)
+    after = counted()
+    if before is not None and after is not None and after - before < len(clients.handles):
+        raise TuneError(f"class {io_class}: the server gave these connections another "
+                        f"class (naming a class above its default needs `serve "
+                        f"--allow-class {io_class}`)")
+
+
 @contextlib.contextmanager
 def served(data: str, hash_image: str, root_hash: str, workers: int | None,
            threads: int | None):
@@ -118,7 +135,8 @@ def served(data: str, hash_image: str, root_hash: str, workers: int | None,
     workdir = tempfile.mkdtemp(prefix="nv-tune-")  # short: sun_path holds 108 bytes
     target = Target(os.path.join(workdir, "nbd.sock"), os.path.join(workdir, "ctl.sock"))
     pairs = plugin_pairs({"data": data, "hash_image": hash_image, "root_hash": root_hash,
-                          "control": target.control, "workers": workers})
+                          "control": target.control, "workers": workers,
+                          "allow_classes": ("rt",)})  # its own private socket: tune's alone
     check_device(pairs)  # as serve does: a wrong root hash is one line
     argv = nbdkit_command(pairs, {"unix": target.socket, "threads": threads,
                                   "exit_with_parent": True})
@@ -253,6 +271,7 @@ def _measure(target: Target, classes, settings: Settings) -> list[ClassSweep]:
         for number, io_class in enumerate(classes):
             clients = Clients(target.connect, io_class, settings)
             try:
+                granted(target, clients, io_class)
                 if number == 0:
                     clients.warm()
                 sweeps.append(sweep_class(clients, io_class, target.set_threshold, settings,

@@ -117,6 +117,10 @@ class ServerConfig:
     # a DDI only if no hash image is given or found and the data starts with a GPT
     source_timeout: float = 60.0  # seconds a connect or read of an NBD source may take
     exports: str | None = None  # a directory of export files: serve them all (exports.py)
+    # class name -> the peer uids that may choose it by name (None: every client); a class
+    # above the default chosen by name needs this (serve/ioprio.py)
+    allow_classes: dict = field(default_factory=dict)
+    list_exports: bool = False  # NBD_OPT_LIST answered (nbd-server's allowlist)
 
     def __post_init__(self) -> None:
         if self.serialize and self.thread_model == PARALLEL:
@@ -164,6 +168,23 @@ def _threshold(key: str, text: str) -> tuple[str, str]:
     if not sep:
         raise ConfigError(f"threshold: {text!r} is not CLASS=BYTES")
     return name.strip().lower(), amount.strip()
+
+
+def _allow_class(key: str, text: str) -> tuple[str, frozenset | None]:
+    """allow-class=CLASS or CLASS=UID[,UID...] (repeatable): who may name CLASS."""
+    from ..control.table import class_index
+    name, sep, uids = text.partition("=")
+    name = name.strip().lower()
+    class_index(name, key)
+    if not sep:
+        return name, None
+    try:
+        allowed = frozenset(int(uid, 10) for uid in uids.split(","))
+    except ValueError:
+        raise ConfigError(f"{key}: {text!r} is not CLASS or CLASS=UID[,UID...]") from None
+    if any(uid < 0 for uid in allowed):
+        raise ConfigError(f"{key}: {text!r}: a uid is not negative")
+    return name, allowed
 
 
 @dataclass(frozen=True)
@@ -216,6 +237,8 @@ KEYS = (
     Key("partition", "partition", _choice(("auto", "root", "usr")), "partition"),
     Key("source-timeout", "source_timeout", _seconds, "source_timeout"),
     Key("exports", "exports", absolute_file, "exports"),
+    Key("allow-class", "allow_classes", _allow_class, "allow_classes"),  # repeatable
+    Key("list-exports", "list_exports", parse_bool, "list_exports"),
 )
 _BY_NAME = {key.name: key for key in KEYS}
 _DEFAULTS = {f.name: f.default for f in fields(ServerConfig)}
@@ -245,7 +268,7 @@ def plugin_pairs(options: dict) -> list[tuple[str, str]]:
         value = options[key.option]
         if key.target.startswith("tree.") and value is False:
             continue  # a flag not given
-        if key.name == "threshold":
+        if key.name in ("threshold", "allow-class"):
             pairs.extend((key.name, str(item)) for item in value)
             continue
         if value == _DEFAULTS.get(key.target) and not key.target.startswith("tree."):
@@ -261,6 +284,7 @@ class ConfigBuilder:
         self.values: dict = {}
         self.tree: dict = {}
         self.thresholds: dict[str, str] = {}
+        self.allowed: dict[str, frozenset | None] = {}
 
     def add(self, key: str, value: str) -> None:
         if key not in _BY_NAME:  # quoted only when it would not print as one line
@@ -271,6 +295,10 @@ class ConfigBuilder:
         if spec.target == "thresholds":
             name, amount = parsed
             self.thresholds[name] = amount
+        elif spec.target == "allow_classes":  # uids add up; one without uids: everyone
+            name, uids = parsed
+            before = self.allowed.get(name, frozenset())
+            self.allowed[name] = None if uids is None or before is None else before | uids
         elif spec.target.startswith("tree."):
             self.tree[spec.target[5:]] = parsed
         else:
@@ -288,7 +316,8 @@ class ConfigBuilder:
         values["root_hash"] = root_hash_text(values.get("root_hash"),
                                              values.pop("root_hash_file", None),
                                              required=False)
-        return ServerConfig(tree=dict(self.tree), thresholds=dict(self.thresholds), **values)
+        return ServerConfig(tree=dict(self.tree), thresholds=dict(self.thresholds),
+                            allow_classes=dict(self.allowed), **values)
 
 
 def config_from_pairs(pairs) -> ServerConfig:

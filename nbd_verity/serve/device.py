@@ -53,6 +53,7 @@ class Hooks:
 
     export_name: Callable[[], str] = lambda: ""
     peer_pid: Callable[[], int] = lambda: -1
+    may_name: Callable[[int], bool] = lambda io_class: True  # a class above the default
     stopping: Callable[[], bool] = lambda: False  # nbdkit shutting down: NBD waits end
 
 
@@ -261,8 +262,9 @@ class Connection:
     @classmethod
     def open(cls, device: Device) -> Connection:
         """A new connection, its class chosen by export name, peer ioprio or default."""
-        io_class = connection_class(device.hooks.export_name(), device.hooks.peer_pid(),
-                                    device.default_class)
+        hooks = device.hooks
+        io_class = connection_class(hooks.export_name(), hooks.peer_pid(),
+                                    device.default_class, hooks.may_name)
         return cls(device, io_class)
 
     def read(self, buf: memoryview, offset: int) -> None:

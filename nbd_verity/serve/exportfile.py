@@ -122,6 +122,9 @@ OPTIONS = {
     "--thread-model": _server("thread_model"),
     "--threads": _server("threads"),
     "--log-rate": _server("log_rate"),
+    # who may do what: a class above the default by name, the export list
+    "--allow-class": _server("allow_classes", repeat=True),
+    "--list-exports": _server("list_exports", True),
 }
 LISTEN_OPTIONS = ("--unix", "--port", "--bind", "--pid-file", "--exit-with-parent",
                   "--control", "--verbose", "-v", "--exports", "--export-file")

@@ -2,7 +2,11 @@
 
 NBD carries no priority, so a request's class is its connection's class, chosen when the
 connection opens, in this order:
-  1. the export name `NAME@CLASS` (e.g. `@rt`, or `root@idle`; NAME may be empty);
+  1. the export name `NAME@CLASS` (e.g. `@rt`, or `root@idle`; NAME may be empty). A
+     class ranked above the default (rt over be, be over idle) needs the server's
+     permission, as the kernel's ioprio_set(IOPRIO_CLASS_RT) needs CAP_SYS_NICE:
+     `serve --allow-class CLASS[=UID,...]` (may_name); without it the name's class is
+     passed over (one log line) and the connection gets what 2 or 3 give;
   2. on a Unix socket, the I/O priority class of the connecting process, read with the
      ioprio_get(IOPRIO_WHO_PROCESS, pid) syscall (nbdkit knows the peer's pid); a process
      that never set one reports class none and falls through to
@@ -16,6 +20,7 @@ import os
 import platform
 
 from ..control.table import CLASSES, class_index
+from ..log import log
 
 IOPRIO_CLASS_SHIFT = 13
 IOPRIO_WHO_PROCESS = 1
@@ -42,9 +47,22 @@ def ioprio_class_of_pid(pid: int) -> int | None:
     return (value >> IOPRIO_CLASS_SHIFT) & 0x7
 
 
-def connection_class(export_name: str, peer_pid: int, default: int) -> int:
-    """Pick a connection's class by the rules in this module's docstring."""
+def promotes(named: int, default: int) -> bool:
+    """Whether a class named ranks above the default (none is no class: it ranks as be,
+    the kernel's IOPRIO_CLASS_NONE)."""
+    be = CLASSES.index("be")
+    return named != 0 and named < (default or be)
+
+
+def connection_class(export_name: str, peer_pid: int, default: int,
+                     may_name=lambda io_class: True) -> int:
+    """Pick a connection's class by the rules in this module's docstring; may_name says
+    whether this peer may name a class above the default."""
     named = class_from_export_name(export_name)
+    if named is not None and promotes(named, default) and not may_name(named):
+        log(f"export name {export_name!r}: class {CLASSES[named]} by name needs the "
+            f"server's permission (serve --allow-class {CLASSES[named]}); passed over")
+        named = None
     if named is not None:
         return named
     peer = ioprio_class_of_pid(peer_pid) if peer_pid > 0 and peer_pid != os.getpid() else None

@@ -30,6 +30,7 @@ import traceback
 import nbdkit
 
 from nbd_verity import logbound
+from nbd_verity.control.table import CLASSES
 from nbd_verity.errors import ConfigError, CorruptionError, ImageIOError, VerityError
 from nbd_verity.limits import MAX_REQUEST_SIZE
 from nbd_verity.log import log
@@ -105,6 +106,33 @@ def _peer_pid():
         return -1
 
 
+def _peer_uid() -> int:
+    """The uid of the current connection's client (-1 when unknown, as over TCP):
+    nbdkit.peer_uid() where the Python plugin has it, else nbdkit_peer_uid() through
+    ctypes (nbdkit 1.32), as _peer_pid."""
+    binding = getattr(nbdkit, "peer_uid", None)
+    if binding is not None:
+        try:
+            return binding()
+        except (ValueError, RuntimeError):
+            return -1
+    try:
+        return ctypes.CDLL(None).nbdkit_peer_uid()
+    except (AttributeError, OSError):
+        return -1
+
+
+def _may_name(io_class: int) -> bool:
+    """Whether this connection's client may choose io_class by name although it ranks
+    above the default: `--allow-class CLASS` for every client, `CLASS=UID,...` for those
+    peers (serve/ioprio.py)."""
+    allowed = _config.allow_classes
+    name = CLASSES[io_class]
+    if name not in allowed:
+        return False
+    return allowed[name] is None or _peer_uid() in allowed[name]
+
+
 def _stopping() -> bool:
     """Whether nbdkit is shutting down (SIGTERM) or this thread's client has gone.
 
@@ -174,7 +202,7 @@ def config_complete():
 def get_ready():
     global _device, _exports
     hooks = device.Hooks(export_name=nbdkit.export_name, peer_pid=_peer_pid,
-                         stopping=_stopping)
+                         stopping=_stopping, may_name=_may_name)
     if _config.exports is not None:
         from nbd_verity.serve.exports import ExportSet  # many images, one server
         _exports = ExportSet(_config, hooks)
@@ -207,7 +235,12 @@ def cleanup():
 
 
 def list_exports(readonly, is_tls):
-    """NBD_OPT_LIST: every export with its description (one image: the default one)."""
+    """NBD_OPT_LIST: every export with its description (one image: the default one),
+    only with list-exports=true; otherwise refused, as nbd-server's allowlist = false
+    (connecting by name needs no list)."""
+    if not _config.list_exports:
+        nbdkit.set_error(errno.EPERM)
+        raise ConfigError("listing exports is off (serve --list-exports turns it on)")
     if _exports is not None:
         return _exports.list()
     return [("", f"verified, {_device.size} bytes, root hash "

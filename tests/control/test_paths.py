@@ -22,8 +22,10 @@ OFFSET = 1 << 20  # a 64 KiB read well inside the device, on a block boundary
 
 @pytest.fixture(scope="module")
 def server(module_servers, image):
-    """Default class idle, so a peer of class none visibly takes the fallback."""
-    return module_servers.start(image, "--default-class", "idle")
+    """Default class idle, so a peer of class none visibly takes the fallback; rt and be
+    may be named (classes above the default need the server's permission)."""
+    return module_servers.start(image, "--default-class", "idle", "--allow-class", "rt",
+                                "--allow-class", "be")
 
 
 @pytest.fixture

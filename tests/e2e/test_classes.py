@@ -127,7 +127,8 @@ nbd_detach nbd0
 nbd_detach nbd1
 """
     # The seed table (4096 for every class): a 4 KiB read sits exactly on the threshold.
-    server = Server(export, extra_args=("--control", str(control), "--threshold-preset", "seed"))
+    server = Server(export, extra_args=("--control", str(control), "--threshold-preset", "seed",
+                                           "--allow-class", "rt"))
     started = time.monotonic()
     with guest_session(script, [], {PORT: server}, tmp_path / "run") as guest:
         guest.wait_for("attached")

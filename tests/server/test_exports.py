@@ -94,15 +94,27 @@ def test_every_export_reads_back_its_own_image(served, images):
         h = connect(served, name)
         assert h.get_size() == SIZE
         assert read_all(h) == images[name].expected()
-    h = connect(served, "two@rt")  # NAME@CLASS still picks the class
+    h = connect(served, "two@idle")  # NAME@CLASS still picks a class (not above be)
     assert h.pread(4096, 0) == images["two"].expected(0, 4096)
     stats = control_request(served.control, {"cmd": "stats", "export": "two"})["stats"]
-    assert stats["classes"]["rt"]["inline"]["requests"] + \
-        stats["classes"]["rt"]["pool"]["requests"] >= 1
+    assert stats["classes"]["idle"]["inline"]["requests"] + \
+        stats["classes"]["idle"]["pool"]["requests"] >= 1
 
 
-def test_nbdinfo_lists_every_export_with_a_description(served, images):
+def test_listing_is_refused_unless_the_server_allows_it(served):
+    """NBD_OPT_LIST is answered only with --list-exports (nbd-server's allowlist): by
+    default nbdinfo --list gets an error and no name, while a name still connects."""
     run = subprocess.run([NBDINFO, "--list", "--json", served.uri], capture_output=True,
+                         text=True, timeout=60, check=False)
+    assert run.returncode != 0 and "one" not in run.stdout, run
+    assert "list" in run.stderr and "Traceback" not in run.stderr, run.stderr
+    assert read_all(connect(served, "one"))
+    assert "listing exports is off (serve --list-exports turns it on)" in served.log()
+
+
+def test_nbdinfo_lists_every_export_with_a_description(exports_dir, servers, images):
+    listing = servers.serve_cli(["--exports", str(exports_dir), "--list-exports"])
+    run = subprocess.run([NBDINFO, "--list", "--json", listing.uri], capture_output=True,
                          text=True, timeout=60, check=True)
     listed = {e["export-name"]: e for e in json.loads(run.stdout)["exports"]}
     assert sorted(listed) == ["one", "two"]

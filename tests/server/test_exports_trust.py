@@ -19,7 +19,7 @@ from nbd_verity.demo.remote import Lighttpd
 
 from ..pki import make_identity, smime_sign
 from .serverlib import MIB, make_image, random_bytes
-from .test_exports import NBDINFO, connect, read_all, reload
+from .test_exports import connect, exports, read_all, reload
 
 SIZE = 2 * MIB
 PASSWORD = f"pw-{secrets.token_hex(8)}"
@@ -54,11 +54,8 @@ def write_conf(directory: Path, name: str, image, args: str = "", root: bool = T
 
 
 def listed(server) -> dict[str, str]:
-    """nbdinfo --list: each export's name and description."""
-    run = subprocess.run([NBDINFO, "--list", "--json", server.uri], capture_output=True,
-                         text=True, timeout=60, check=True)
-    return {e["export-name"]: e.get("description", "")
-            for e in json.loads(run.stdout)["exports"]}
+    """Each export's name and description, as `ctl exports` gives them."""
+    return {name: item["description"] for name, item in exports(server).items()}
 
 
 def log_lines(server, word: str) -> list[str]:

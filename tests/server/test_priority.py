@@ -43,7 +43,7 @@ def connect(server, name: str):
 @pytest.mark.parametrize("name, nice", [("@rt", -10), ("@idle", 0), ("@be", 0)])
 def test_a_connections_threads_run_at_its_class(default_image, servers, name, nice):
     """Alone: rt at -10, be at 0, and idle at 0 too, as nothing else wants the server."""
-    server = servers.start(default_image)
+    server = servers.start(default_image, allow_class="rt")
     before = thread_nices(server.pid)
     h = connect(server, name)
     for offset in range(0, 1 << 20, 4096):  # every request on the connection's threads
@@ -64,7 +64,7 @@ def test_the_class_follows_the_connection(default_image, servers):
     """One server: an rt client's threads at -10 and, beside it, an idle client's at 19;
     when the rt client leaves its threads go with it, and the idle client's next
     requests run at the server's own nice again."""
-    server = servers.start(default_image)
+    server = servers.start(default_image, allow_class="rt")
     rt, idle = connect(server, "@rt"), connect(server, "@idle")
     for h in (rt, idle):
         h.pread(4096, 0)

@@ -53,11 +53,23 @@ def tune_image(tools, tmp_path_factory) -> Image:
 
 @pytest.fixture
 def server(tools, tune_image):
-    """A running `nbd-verity serve` with a control socket; stopped by pid afterwards."""
+    """A running `nbd-verity serve` with a control socket, its clients allowed to name
+    rt (tune measures every class); stopped by pid afterwards."""
+    yield from serving(tools, tune_image, "--allow-class", "rt")
+
+
+@pytest.fixture
+def server_without_rt(tools, tune_image):
+    """The same, where naming rt is not allowed (the default)."""
+    yield from serving(tools, tune_image)
+
+
+def serving(tools, tune_image, *options: str):
     workdir = tempfile.mkdtemp(prefix="nvt-")  # short: sun_path holds 108 bytes
     sock, ctl, pid = (os.path.join(workdir, n) for n in ("nbd.sock", "ctl.sock", "pid"))
     launched = Launched([tools.nbd_verity_path, "serve", tune_image.data, tune_image.hash,
-                         tune_image.root, "--unix", sock, "--control", ctl, "--pid-file", pid],
+                         tune_image.root, "--unix", sock, "--control", ctl, "--pid-file", pid,
+                         *options],
                         socket=sock, pid_file=pid, control=ctl,
                         log_path=os.path.join(workdir, "log"))
     try:

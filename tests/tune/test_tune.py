@@ -93,6 +93,17 @@ def test_apply_sets_the_recommendation(tools, server):
     assert json.loads(shown.stdout)["thresholds"] == chosen == report["table"]
 
 
+def test_a_class_the_server_does_not_grant_is_one_line_not_a_sweep(tools, server_without_rt):
+    """Connections named @rt get be where naming rt is not allowed: tune says so in one
+    line instead of sweeping be's behaviour as rt's."""
+    server = server_without_rt
+    result = tools.ours("tune", "--control", server.control, "--socket", server.socket,
+                        *QUICK, "--class", "rt")
+    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "needs `serve --allow-class rt`" in lines[0], lines
+
+
 def test_plot_without_matplotlib_or_with_it(tools, tune_image, tmp_path):
     """--plot writes a PNG when matplotlib is there, and fails in one line otherwise."""
     plot = tmp_path / "p.png"

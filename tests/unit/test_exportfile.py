@@ -120,7 +120,8 @@ def test_a_fifo_is_refused_without_opening_it(tmp_path):
 # What the server owns, one for all its images (docs/server.md's table says the same).
 SERVERS = {"--trusted-certs", "--require-signatures", "--restart-on-corruption",
            "--threshold", "--threshold-preset", "--workers", "--default-class",
-           "--serialize", "--parallel", "--thread-model", "--threads", "--log-rate"}
+           "--serialize", "--parallel", "--thread-model", "--threads", "--log-rate",
+           "--allow-class", "--list-exports"}
 
 
 def test_trust_anchors_and_policy_are_the_servers():

@@ -1,0 +1,86 @@
+"""A class above the default, chosen by name (`NAME@rt`), needs the server's permission
+(`serve --allow-class CLASS[=UID,...]`), as the kernel's ioprio_set(IOPRIO_CLASS_RT) needs
+CAP_SYS_NICE: without it the connection gets the class it would have without the name.
+Real nbdkit, real libnbd clients; the class a connection got read from the server's own
+per-class counters (`ctl stats`)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+
+from .serverlib import control_request
+from .test_exports import connect, images, write_export  # noqa: F401 - a fixture
+
+
+def class_requests(control: str, export: str | None = None) -> dict[str, int]:
+    """Requests counted per class (inline and pool) by the server."""
+    request = {"cmd": "stats"} if export is None else {"cmd": "stats", "export": export}
+    classes = control_request(control, request)["stats"]["classes"]
+    return {name: row["inline"]["requests"] + row["pool"]["requests"]
+            for name, row in classes.items()}
+
+
+NOT_OURS = 4242 if os.geteuid() != 4242 else 4243
+
+
+@pytest.mark.parametrize(("allow", "name", "expected"), [
+    ({}, "@rt", "be"),  # no permission: the name's class is passed over
+    ({"allow_class": "rt"}, "@rt", "rt"),  # every client may name rt
+    ({"allow_class": f"rt={NOT_OURS}"}, "@rt", "be"),  # another uid may
+    ({"allow_class": f"rt={NOT_OURS},{os.geteuid()}"}, "@rt", "rt"),  # we may
+    ({}, "@idle", "idle"),  # below the default: always
+    ({}, "@be", "be"),  # the default itself: always
+    ({"default_class": "idle"}, "@be", "idle"),  # above an idle default: permission
+])
+def test_the_class_a_connection_named_needs_permission_above_the_default(
+        default_image, servers, sockdir, allow, name, expected):
+    control = os.path.join(sockdir, "ctl.sock")
+    server = servers.start(default_image, control=control, **allow)
+    h = connect(server, name)
+    assert h.pread(4096, 0) == default_image.expected(0, 4096)
+    counts = class_requests(control)
+    assert counts[expected] == 1 and sum(counts.values()) == 1, counts
+    passed_over = "needs the server's permission" in server.log()
+    assert passed_over == (expected != name[1:]), server.log()
+
+
+def test_an_rt_name_without_permission_does_not_hold_back_other_clients(
+        tmp_path, images, servers, sockdir):
+    """~200 small reads a second on `c@rt`, not permitted, beside a be client of export
+    a: the be client's reads stay fast (each took ~1000 ms when any client could name
+    rt, held back by the class gate), and c's requests are counted as be."""
+    directory = tmp_path / "exports"
+    directory.mkdir()
+    write_export(directory, "a", images["one"])
+    write_export(directory, "c", images["two"])
+    control = os.path.join(sockdir, "ctl.sock")
+    server = servers.serve_cli(["--exports", str(directory), "--control", control])
+    promoted, plain = connect(server, "c@rt"), connect(server, "a")
+    stop = threading.Event()
+
+    def hammer() -> None:
+        end = time.monotonic() + 20  # bounded, whatever happens to the test
+        while not stop.is_set() and time.monotonic() < end:
+            promoted.pread(4096, 0)
+            time.sleep(0.005)
+
+    thread = threading.Thread(target=hammer)
+    thread.start()
+    worst = 0.0
+    try:
+        time.sleep(0.3)  # the hammer is going
+        for i in range(20):
+            start = time.monotonic()
+            assert plain.pread(4096, i * 4096) == images["one"].expected(i * 4096, 4096)
+            worst = max(worst, time.monotonic() - start)
+            time.sleep(0.1)
+    finally:
+        stop.set()
+        thread.join(30)
+    assert worst < 0.5, f"a be read took {worst * 1000:.0f} ms beside c@rt"
+    counts = class_requests(control, "c")
+    assert counts["rt"] == 0 and counts["be"] > 100, counts
