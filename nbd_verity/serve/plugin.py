@@ -89,37 +89,29 @@ _failures = nbdkit_compat.FailureRaiser(nbdkit.set_error, None, _one_line, _leak
 _failures.install()
 
 
-def _peer_pid():
-    """The pid of the current connection's client (-1 when unknown, as over TCP).
-    nbdkit.peer_pid() where the Python plugin has it (nbdkit 1.42: ValueError "Unable to
-    get client pid" over TCP); nbdkit 1.32's lacks it, so there the server's own
-    nbdkit_peer_pid() through ctypes (-1 when unknown)."""
-    binding = getattr(nbdkit, "peer_pid", None)
+def _peer(what: str) -> int:
+    """The "pid" or "uid" of the current connection's client (-1 when unknown, as over
+    TCP). nbdkit.peer_pid()/peer_uid() where the Python plugin has them (nbdkit 1.42:
+    ValueError "Unable to get client pid" over TCP); nbdkit 1.32's lacks them, so there
+    the server's own nbdkit_peer_pid()/nbdkit_peer_uid() through ctypes."""
+    binding = getattr(nbdkit, f"peer_{what}", None)
     if binding is not None:
         try:
             return binding()
         except (ValueError, RuntimeError):
             return -1
     try:
-        return ctypes.CDLL(None).nbdkit_peer_pid()
+        return getattr(ctypes.CDLL(None), f"nbdkit_peer_{what}")()
     except (AttributeError, OSError):
         return -1
+
+
+def _peer_pid() -> int:
+    return _peer("pid")
 
 
 def _peer_uid() -> int:
-    """The uid of the current connection's client (-1 when unknown, as over TCP):
-    nbdkit.peer_uid() where the Python plugin has it, else nbdkit_peer_uid() through
-    ctypes (nbdkit 1.32), as _peer_pid."""
-    binding = getattr(nbdkit, "peer_uid", None)
-    if binding is not None:
-        try:
-            return binding()
-        except (ValueError, RuntimeError):
-            return -1
-    try:
-        return ctypes.CDLL(None).nbdkit_peer_uid()
-    except (AttributeError, OSError):
-        return -1
+    return _peer("uid")
 
 
 def _may_name(io_class: int) -> bool:
