@@ -12,6 +12,9 @@ from ..errors import ConfigError
 from ..limits import MAX_REQUEST_SIZE
 
 CLASSES = ("none", "rt", "be", "idle")
+# each class's rank, by index: rt first, then be and none (IOPRIO_CLASS_NONE is served as
+# be), then idle; the pool's queues, the gate and a promotion by name all rank by it
+RANK = (1, 0, 1, 2)
 INLINE, POOL = "inline", "pool"  # the two paths a request can take
 FIXED = (1 << 20,) * 4  # measured once on 2 cores with the native engine (docs/control.md)
 CALIBRATED = "default"  # the preset the server measures at start-up (serve/calibrate.py)

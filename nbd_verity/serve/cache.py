@@ -37,7 +37,6 @@ class HashBlockCache:
     def __init__(self, hash_block_size: int, cache_size: int = DEFAULT_CACHE_SIZE) -> None:
         self.block_size = hash_block_size
         self.capacity = max(1, cache_size // hash_block_size)  # blocks kept, all levels
-        self.budget_size = self.capacity * hash_block_size
         self._levels: list[OrderedDict[int, bytes]] = []  # index = tree level
         self._level_of: dict[int, int] = {}  # block -> its level
         self._lock = threading.Lock()
@@ -97,7 +96,6 @@ class HashBlockCache:
         to it now, lowest levels first, as put() would."""
         with self._lock:
             self.capacity = max(1, cache_size // self.block_size)
-            self.budget_size = self.capacity * self.block_size
             while len(self._level_of) > self.capacity:
                 self._evict_one()
 

@@ -33,7 +33,8 @@ client's 512 KiB reads within one leaf is not taken; not changed, not measured).
 Counts go into the per-thread rows of the same Tallies the general path uses (tally.py),
 fetched once per thread and kept by thread ident, so a request does one dict look-up and
 four in-place additions. The slot arithmetic is geometry's parent_slot inlined as shifts
-(tests/unit/test_fastpath.py checks it against parent_slot). NBD_VERITY_FAST_PATH=0
+(tests/server/test_fastpath.py compares every answer and counter with the general
+path's, which uses parent_slot). NBD_VERITY_FAST_PATH=0
 turns the fast path off, for the tests that run every suite on both paths and for
 measuring it; it is not a setting.
 """

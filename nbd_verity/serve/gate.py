@@ -8,7 +8,7 @@ nice 19 and the ranked queue). So the server ranks whole requests too, as the bl
 layer's schedulers do: idle is served only when nobody else wants the disk, and rt goes
 before be.
 
-- RANK: rt 0, be and none 1, idle 2 (the pool's ranks, pool.RANK).
+- RANK (control/table.py): rt 0, be and none 1, idle 2, as the pool's queues.
 - A request waits at its start, with the GIL released (a condition variable), while a
   connection of a better rank has a request in flight or finished one less than QUIET_S
   ago (a QD1 reader's next request follows its last within microseconds). Requests in
@@ -40,9 +40,9 @@ from __future__ import annotations
 import threading
 import time
 
+from ..control.table import RANK
 from . import priority
 
-RANK = (1, 0, 1, 2)  # by class index (none, rt, be, idle), as pool.RANK
 RANKS = 3
 QUIET_S = 0.008  # a better rank stays busy this long after its last request ended
 WAIT_S = 1.0  # the most any request waits here (the bound docs/control.md states)

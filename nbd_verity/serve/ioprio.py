@@ -19,7 +19,7 @@ import ctypes
 import os
 import platform
 
-from ..control.table import CLASSES, class_index
+from ..control.table import CLASSES, RANK, class_index
 from ..log import log
 
 IOPRIO_CLASS_SHIFT = 13
@@ -48,10 +48,8 @@ def ioprio_class_of_pid(pid: int) -> int | None:
 
 
 def promotes(named: int, default: int) -> bool:
-    """Whether a class named ranks above the default (none is no class: it ranks as be,
-    the kernel's IOPRIO_CLASS_NONE)."""
-    be = CLASSES.index("be")
-    return named != 0 and named < (default or be)
+    """Whether a class named ranks above the default (control/table.RANK)."""
+    return RANK[named] < RANK[default]
 
 
 def connection_class(export_name: str, peer_pid: int, default: int,

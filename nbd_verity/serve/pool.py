@@ -35,10 +35,10 @@ import time
 from collections import deque
 from concurrent.futures import Future
 
+from ..control.table import RANK
 from . import priority
 
 AGE_S = 0.05  # a queued chunk rises one class for every AGE_S it waits
-RANK = (1, 0, 1, 2)  # queue of each class (none, rt, be, idle): rt, then be/none, then idle
 
 
 class ClassPool:

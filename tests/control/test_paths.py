@@ -22,10 +22,10 @@ OFFSET = 1 << 20  # a 64 KiB read well inside the device, on a block boundary
 
 @pytest.fixture(scope="module")
 def server(module_servers, image):
-    """Default class idle, so a peer of class none visibly takes the fallback; rt and be
-    may be named (classes above the default need the server's permission)."""
+    """Default class idle, so a peer of class none visibly takes the fallback; rt, be and
+    none (served as be) may be named: classes above the default need the permission."""
     return module_servers.start(image, "--default-class", "idle", "--allow-class", "rt",
-                                "--allow-class", "be")
+                                "--allow-class", "be", "--allow-class", "none")
 
 
 @pytest.fixture

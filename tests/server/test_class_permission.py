@@ -35,6 +35,8 @@ NOT_OURS = 4242 if os.geteuid() != 4242 else 4243
     ({}, "@idle", "idle"),  # below the default: always
     ({}, "@be", "be"),  # the default itself: always
     ({"default_class": "idle"}, "@be", "idle"),  # above an idle default: permission
+    ({"default_class": "idle"}, "@none", "idle"),  # none is served as be: the same
+    ({}, "@none", "none"),  # as be, not above it
 ])
 def test_the_class_a_connection_named_needs_permission_above_the_default(
         default_image, servers, sockdir, allow, name, expected):
