@@ -198,8 +198,11 @@ def as_unit(unit: str, argv: list[str]) -> list[str]:
     assert directive(unit, "CapabilityBoundingSet") == [""]  # none: what -all gives
     assert directive(unit, "NoNewPrivileges") == ["yes"]
     (hidepid,), (subset,) = directive(unit, "ProtectProc"), directive(unit, "ProcSubset")
-    mount = f"mount -t proc -o hidepid={hidepid},subset={subset} proc /proc && exec \"$@\""
-    return ["unshare", "--mount", "--propagation", "private", "--", "/bin/sh", "-c", mount,
+    # /proc made private in the new namespace first: the new proc never reaches the
+    # host's (in a chroot / is no mount point, so `--propagation private` cannot be had)
+    mount = (f"mount --make-rprivate /proc && mount -t proc -o hidepid={hidepid},"
+             f"subset={subset} proc /proc && exec \"$@\"")
+    return ["unshare", "--mount", "--propagation", "unchanged", "--", "/bin/sh", "-c", mount,
             "sh", "setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups",
             "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", *argv]
 
