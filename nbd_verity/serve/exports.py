@@ -9,7 +9,8 @@ cache budget (`cache-size` of the server, split evenly; an export's own `--cache
 caps its share).
 
 A client picks an export by name (`nbd-client -N NAME`, `nbd+unix:///NAME?socket=...`),
-`NAME@CLASS` choosing the class as before; `nbdinfo --list` lists them with a description.
+`NAME@CLASS` choosing the class as before; with `--list-exports`, `nbdinfo --list` lists
+them with a description.
 A name that is not served fails the handshake with ENOENT (nbdkit answers the client's
 NBD_OPT_GO with an error; the connection stays open for another try).
 
