@@ -406,7 +406,8 @@ class ExportSet:
         options = dict(spec.options, data=spec.data, hash_image=spec.hash_image,
                        root_hash=spec.root_hash,  # trust is the server's, for every export
                        require_signatures=self.config.require_signatures,
-                       trusted_certs=self.config.trusted_certs)
+                       trusted_certs=self.config.trusted_certs,
+                       default_class=self.config.default_class)  # the server's classes
         upstreams: list = []
         pairs: list = []
         try:

@@ -86,3 +86,20 @@ def test_an_rt_name_without_permission_does_not_hold_back_other_clients(
     assert worst < 0.5, f"a be read took {worst * 1000:.0f} ms beside c@rt"
     counts = class_requests(control, "c")
     assert counts["rt"] == 0 and counts["be"] > 100, counts
+
+
+def test_a_many_export_servers_default_class_is_every_exports(tmp_path, images, servers,
+                                                              sockdir):
+    """`serve --exports DIR --default-class idle`: a client naming no class gets idle on
+    every export, and naming be is then a promotion (each export took be before)."""
+    directory = tmp_path / "exports"
+    directory.mkdir()
+    write_export(directory, "a", images["one"])
+    control = os.path.join(sockdir, "ctl.sock")
+    server = servers.serve_cli(["--exports", str(directory), "--control", control,
+                                "--default-class", "idle"])
+    for name in ("a", "a@be"):
+        assert connect(server, name).pread(4096, 0) == images["one"].expected(0, 4096)
+    counts = class_requests(control, "a")
+    assert counts["idle"] == 2 and sum(counts.values()) == 2, counts
+
