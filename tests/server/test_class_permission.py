@@ -7,6 +7,7 @@ per-class counters (`ctl stats`)."""
 from __future__ import annotations
 
 import os
+import statistics
 import threading
 import time
 
@@ -72,18 +73,19 @@ def test_an_rt_name_without_permission_does_not_hold_back_other_clients(
 
     thread = threading.Thread(target=hammer)
     thread.start()
-    worst = 0.0
+    took = []
     try:
         time.sleep(0.3)  # the hammer is going
         for i in range(20):
             start = time.monotonic()
             assert plain.pread(4096, i * 4096) == images["one"].expected(i * 4096, 4096)
-            worst = max(worst, time.monotonic() - start)
+            took.append(time.monotonic() - start)
             time.sleep(0.1)
     finally:
         stop.set()
         thread.join(30)
-    assert worst < 0.5, f"a be read took {worst * 1000:.0f} ms beside c@rt"
+    # loosely (a shared machine): the typical read, where every one waited ~1 s before
+    assert statistics.median(took) < 0.2, f"be reads beside c@rt took {took}"
     counts = class_requests(control, "c")
     assert counts["rt"] == 0 and counts["be"] > 100, counts
 
