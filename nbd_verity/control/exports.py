@@ -20,9 +20,7 @@ from __future__ import annotations
 import threading
 from concurrent.futures import Future
 
-from ..errors import VerityError
-from ..log import log
-from .protocol import Control, ProtocolError, _field
+from .protocol import Control, ProtocolError, _field, answered
 
 RELOAD_DEADLINE_S = 30.0  # seconds a reload may spend opening export files, in all
 MAX_DEADLINE_S = 600.0  # the longest a reload may be given
@@ -77,14 +75,6 @@ def _in_background(work) -> Future:
     other requests meanwhile, and this one when it is done."""
     future: Future = Future()
 
-    def run() -> None:
-        try:
-            future.set_result({"ok": True, **work()})
-        except VerityError as e:
-            future.set_result({"ok": False, "error": str(e)})
-        except Exception as e:  # a bug: one reply and one log line, as handle_line
-            log(f"control: {type(e).__name__}: {e}")
-            future.set_result({"ok": False, "error": f"internal error: {type(e).__name__}"})
-
-    threading.Thread(target=run, name="control-reload", daemon=True).start()
+    threading.Thread(target=lambda: future.set_result(answered(work)),
+                     name="control-reload", daemon=True).start()
     return future

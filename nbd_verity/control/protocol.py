@@ -150,6 +150,20 @@ def nesting_depth(line: bytes) -> int:
     return deepest
 
 
+def answered(work) -> dict | Future:
+    """work()'s reply with "ok": true, a Future of it as it is (a reload: answered when
+    done), or its failure as one error reply: never raises."""
+    try:
+        reply = work()
+        return reply if isinstance(reply, Future) else {"ok": True, **reply}
+    except VerityError as e:
+        return {"ok": False, "error": str(e)}
+    except Exception as e:  # a bug: one reply and one log line, never a dead thread
+        from ..log import log
+        log(f"control: {type(e).__name__}: {e}")
+        return {"ok": False, "error": f"internal error: {type(e).__name__}"}
+
+
 class Control:
     """Answers control requests against one Device (no sockets here)."""
 
@@ -172,17 +186,7 @@ class Control:
             return {"ok": False, "error": f"nesting deeper than {MAX_DEPTH} levels"}
         if not isinstance(request, dict):
             return {"ok": False, "error": "a request must be a JSON object"}
-        try:
-            reply = self.handle(request)
-            if isinstance(reply, Future):  # answered when it is done (a reload)
-                return reply
-            return {"ok": True, **reply}
-        except VerityError as e:
-            return {"ok": False, "error": str(e)}
-        except Exception as e:  # a bug: one reply and one log line, never a dead thread
-            from ..log import log
-            log(f"control: {type(e).__name__}: {e}")
-            return {"ok": False, "error": f"internal error: {type(e).__name__}"}
+        return answered(lambda: self.handle(request))
 
     def handle(self, request: dict) -> dict:
         command = _field(request, "cmd", str)

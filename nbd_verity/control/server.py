@@ -53,9 +53,9 @@ class ControlServer:
     leaves MAX_PENDING_REPLY bytes of replies unread. Requests are answered in order, each
     one completely before the next (a request whose reply is a Future, a reload, is
     answered when it is done, woken through the socket pair: meanwhile that client's
-    later lines wait and every other client is served), MAX_LINES_PER_TURN of one client at a time (then the
-    others have their turn), and a client's next chunk is read only once every line of the
-    last one is answered. Beyond RATE_BURST requests at once and RATE_PER_S per second a
+    later lines wait and every other client is served), MAX_LINES_PER_TURN of one client
+    at a time (then the others have their turn), and a client's next chunk is read only
+    once every line of the last one is answered. Beyond RATE_BURST requests at once and RATE_PER_S per second a
     request is refused with RATE_ERROR, which costs next to nothing: a write full of
     requests cannot hold the control thread, and the GIL, from the NBD threads."""
 

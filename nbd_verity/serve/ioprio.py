@@ -58,7 +58,7 @@ def connection_class(export_name: str, peer_pid: int, default: int,
     whether this peer may name a class above the default."""
     named = class_from_export_name(export_name)
     if named is not None and promotes(named, default) and not may_name(named):
-        log(f"export name {export_name!r}: class {CLASSES[named]} by name needs the "
+        log(f"export name {export_name[:64]!r}: class {CLASSES[named]} by name needs the "
             f"server's permission (serve --allow-class {CLASSES[named]}); passed over")
         named = None
     if named is not None:

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from .serverlib import control_request
+from .serverlib import control_request, wait_for
 from .test_exports import connect, images, write_export  # noqa: F401 - a fixture
 
 
@@ -75,7 +75,7 @@ def test_an_rt_name_without_permission_does_not_hold_back_other_clients(
     thread.start()
     took = []
     try:
-        time.sleep(0.3)  # the hammer is going
+        wait_for(lambda: class_requests(control, "c")["be"] > 10, "c's reads under way")
         for i in range(20):
             start = time.monotonic()
             assert plain.pread(4096, i * 4096) == images["one"].expected(i * 4096, 4096)
