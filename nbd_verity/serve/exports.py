@@ -382,7 +382,8 @@ class ExportSet:
 
     def _publish(self, current: dict, report: dict) -> None:
         """Swap the new map in under _lock: new exports take the server's table now, the
-        ones replaced or removed retire."""
+        ones replaced or removed retire (those without a client are closed after it:
+        stopping an upstream may take seconds)."""
         with self._lock:
             old = self._exports
             for name, export in current.items():
@@ -390,11 +391,12 @@ class ExportSet:
                     export.device.dispatcher.set_table(self.dispatcher.table,
                                                        self.dispatcher.pinned)
             self._exports = current
-            for name, export in old.items():
-                if current.get(name) is not export:
-                    self._retire(export)
+            idle = [export for name, export in old.items()
+                    if current.get(name) is not export and self._retire(export)]
             self.refused = dict(report["refused"])
             self._resize_caches()
+        for export in idle:
+            export.close()
 
     def _load(self, path: str, identity: tuple) -> Export:
         """Open one export file's image completely, or raise in one line."""
@@ -423,13 +425,14 @@ class ExportSet:
             close_private(dict(pairs).get("root-hash-signature"))
         return Export(spec.name, path, identity, device, upstreams, spec)
 
-    def _retire(self, export: Export) -> None:
-        """No new connection to export; closed now if it has no client, else at the last."""
+    def _retire(self, export: Export) -> bool:
+        """No new connection to export (under _lock); True when it has no client, to be
+        closed now; else it is closed with its last (closed())."""
         export.retired = True
         if export.connections == 0:
-            export.close()
-        else:
-            self._retired.append(export)
+            return True
+        self._retired.append(export)
+        return False
 
     def _resize_caches(self) -> None:
         """Share the server's cache budget evenly; an export's own cache-size caps it."""
