@@ -44,7 +44,7 @@ setup: $(VENV)/.installed
 
 # Debian packages first (idempotent: apt only runs when one is missing), then the venv
 # from Debian's python3, which is the interpreter nbdkit embeds.
-$(VENV)/.installed: pyproject.toml setup.py $(wildcard nbd_verity/format/*.[ch]) nbd_verity/fec/_rs.c nbd_verity/serve/_threadstate.c  # C built in place
+$(VENV)/.installed: pyproject.toml setup.py $(wildcard nbd_verity/format/*.[ch]) nbd_verity/fec/_rs.c nbd_verity/_threadstate.c  # C built in place
 	$(call check_release,setup)
 	$(call install_missing,$(DEB_PACKAGES))
 	@[ -x $(PY) ] || /usr/bin/python3 -m venv --system-site-packages $(VENV)

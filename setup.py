@@ -16,7 +16,7 @@ setup(ext_modules=[
               depends=["nbd_verity/format/sha256x.h", "nbd_verity/format/sha256x_py.h"],
               libraries=["crypto"],
               extra_compile_args=["-O2", "-Wall", "-Wextra"], optional=True),
-    Extension("nbd_verity.serve._threadstate", ["nbd_verity/serve/_threadstate.c"],
+    Extension("nbd_verity._threadstate", ["nbd_verity/_threadstate.c"],
               optional=True, extra_compile_args=["-O2", "-Wall", "-Wextra"]),
     Extension("nbd_verity.fec._rs", ["nbd_verity/fec/_rs.c"], optional=True,
               extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wextra"]),

@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from nbd_verity.limits import MAX_REQUEST_SIZE
-from nbd_verity.serve.config import config_from_pairs
+from nbd_verity.prepare.config import config_from_pairs
 from nbd_verity.serve.device import Connection, Device
 
 SIZES = (4096, 65536, 524288)

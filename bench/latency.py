@@ -83,7 +83,7 @@ def measure(image: images.Image, reps: int, runtime: float) -> list[dict]:
 
 def inprocess_run(image: images.Image, hash_location: str, bs: int, readahead: bool) -> dict:
     """The Device nbdkit would build, read once sequentially from this thread (inline)."""
-    from nbd_verity.serve.config import config_from_pairs
+    from nbd_verity.prepare.config import config_from_pairs
     from nbd_verity.serve.device import Connection, Device
     device = Device(config_from_pairs([
         ("data", str(image.data)), ("hash", hash_location), ("root-hash", image.root),

@@ -26,7 +26,7 @@ def config(key, value):
     global _path, _keep
     if key == "keep-thread-state":
         if value == "yes":
-            from nbd_verity.serve._threadstate import keep as _keep
+            from nbd_verity._threadstate import keep as _keep
         return
     if key != "file":
         raise RuntimeError(f"unknown parameter: {key}")

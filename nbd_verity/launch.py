@@ -29,7 +29,7 @@ from pathlib import Path
 
 from .errors import ConfigError, VerityError
 
-PLUGIN = Path(__file__).resolve().parent / "serve" / "plugin.py"  # nbdkit's script
+PLUGIN = Path(__file__).resolve().parent / "serve" / "callbacks.py"  # nbdkit's script
 PROJECT = PLUGIN.parents[2]  # holds the nbd_verity package (a checkout or site-packages)
 NBDKIT = shutil.which("nbdkit") or "/usr/sbin/nbdkit"
 START_TIMEOUT = 60.0  # seconds for a server to be ready (the machine may be small and busy)

@@ -154,6 +154,6 @@ def s3_options(fn):
 
 
 def ddi_arguments(options: dict) -> None:
-    """For a DDI, the second argument is its ROOT_HASH (serve/image.py has the rule)."""
-    from ..serve.image import settle_ddi_arguments  # the GPT code only for a DDI
+    """For a DDI, the second argument is its ROOT_HASH (prepare/keys.py has the rule)."""
+    from ..prepare.keys import settle_ddi_arguments  # the GPT code only for a DDI
     settle_ddi_arguments(options)

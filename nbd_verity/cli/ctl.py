@@ -9,8 +9,8 @@ import click
 from ..control.exports import RELOAD_DEADLINE_S
 from ..control.protocol import CLIENT_TIMEOUT, request
 from ..files import write_atomically
-from ..serve.calibrate import describe
-from ..serve.ioprio import CLASSES
+from ..ioclass import CLASSES
+from ..schedule.calibrate import describe
 from .common import EXIT_CORRUPT, edge, fail
 
 

@@ -4,7 +4,7 @@ The options become the plugin's key=value pairs through config.KEYS (config.plug
 the one table of plugin keys; the listening options become nbdkit's own. DATA and HASH
 are paths, NBD URIs, or http(s):// and s3:// URLs, for which captive upstream nbdkits are
 started first (upstream.attach). For an http(s) or s3 DATA without HASH or ROOT_HASH, the
-sidecars beside the URL are looked up first (serve/image.py). Every message of it names
+sidecars beside the URL are looked up first (prepare/keys.py). Every message of it names
 URLs without their user part's password or their query (remote.redacting).
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import click
 
-from ..serve.config import PARALLEL, THREAD_MODELS
+from ..prepare.config import PARALLEL, THREAD_MODELS
 from ..sources.remote import redacting
 from .common import edge, fec_options, image_arguments, s3_options
 
@@ -94,7 +94,7 @@ def serve_cmd(unix, port, bind, threads, pid_file, exit_with_parent, verbose, ex
     s3:// URLs (read through nbdkit's curl or S3 plugin, started here). With --exports
     DIR, one server serves every image of DIR's export files, each by its name."""
     from ..launch import check_listen
-    from ..serve.image import image_pairs  # the server side, imported only to serve
+    from ..prepare.keys import image_pairs  # the server side, imported only to serve
     from ..serve.startup import exec_exports, exec_server
     listen = {"unix": unix, "port": port, "bind": bind, "threads": threads,
               "pid_file": pid_file, "exit_with_parent": exit_with_parent, "verbose": verbose}
@@ -126,7 +126,7 @@ def _thread_model(options: dict) -> None:
 def _from_export_file(path: str, options: dict, listen: dict) -> dict:
     """serve's options with an export file's image and ARGS in them (the command line's
     own options first; the file's may not repeat them)."""
-    from ..serve.exportfile import read_export_file
+    from ..prepare.exportfile import read_export_file
     spec = read_export_file(path)
     merged = dict(options, data=spec.data, hash_image=spec.hash_image,
                   root_hash=spec.root_hash)

@@ -229,7 +229,7 @@ def verify_cmd(data: str, hash_image: str | None, root_hash: str | None,
     IMAGE.verity, IMAGE.roothash and IMAGE.roothash.p7s beside DATA); with --fec-device,
     say which corrupted blocks FEC repairs, as veritysetup verify --fec-device. A
     Discoverable Disk Image is checked as its data and verity partitions."""
-    from ..serve.ddi import is_ddi  # the GPT code only for a disk image
+    from ..prepare.disk import is_ddi  # the GPT code only for a disk image
     options = {"data": data, "hash_image": hash_image, "root_hash": root_hash,
                "partition": partition}
     ddi_arguments(options)
@@ -262,7 +262,7 @@ def _verify_ddi(data: str, partition: str, root_hash: str | None, signature: str
                 trusted_certs: str | None, require_signatures: bool, kw: dict) -> None:
     """verify of a DDI: its triple chosen and its root settled as serve does, then every
     block of the data partition checked against the verity partition."""
-    from ..serve.ddi import open_ddi
+    from ..prepare.disk import open_ddi
     ddi = open_ddi(data, partition, root_hash, signature, trusted_certs, require_signatures)
     with contextlib.closing(ddi):
         params = _checked_params(ddi.data, ddi.hashes, ddi.trust, kw)
@@ -382,7 +382,7 @@ def _is_ddi_dump(image: str) -> bool:
 def _dump_ddi(image: str, partition: str, trusted_certs: str | None) -> None:
     """dump of a DDI: the partitions, the triple, root hash and signer, the superblock;
     a DDI that serve would refuse is listed, then refused in one line (exit 2)."""
-    from ..serve.ddi import describe_ddi, label, partition_lines
+    from ..prepare.disk import describe_ddi, label, partition_lines
     report = describe_ddi(image, partition, trusted_certs)
     click.echo("\n".join(partition_lines(report.table)))
     if report.opened is None:

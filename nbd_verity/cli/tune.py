@@ -24,10 +24,10 @@ from ..control.table import INLINE, POOL
 from ..control.tune import ClassSweep, Clients, Settings, median_noise, parse_classes, sweep_class
 from ..errors import ConfigError, VerityError
 from ..files import write_atomically
+from ..ioclass import CLASSES
 from ..launch import Launched, nbdkit_command
 from ..limits import MAX_REQUEST_SIZE
-from ..serve.config import parse_size, plugin_pairs
-from ..serve.ioprio import CLASSES
+from ..prepare.config import parse_size, plugin_pairs
 from ..serve.startup import check_device
 from ..sources.remote import is_uri, is_url, redact
 from .common import EXIT_ERROR, edge, say

@@ -1,4 +1,4 @@
-"""The control socket of a many-export server (serve/exports.py): the commands of one
+"""The control socket of a many-export server (serve/exportset.py): the commands of one
 server's (thresholds, stats, status) over all its exports, and `exports`.
 
 Requests, beside protocol.py's:

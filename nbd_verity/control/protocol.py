@@ -201,7 +201,8 @@ class Control:
         return getattr(self, f"_{command}")(request)
 
     def _thresholds(self, request: dict) -> dict:
-        from .table import CALIBRATED, CLASSES, class_index, table_dict, updated_table
+        from ..ioclass import CLASSES, class_index
+        from .table import CALIBRATED, table_dict, updated_table
         dispatcher = self.device.dispatcher
         changes = _field(request, "set", dict)
         name = _field(request, "preset", str)

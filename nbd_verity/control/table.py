@@ -1,4 +1,4 @@
-"""The threshold table's words and rules: I/O classes, paths, presets, checked changes.
+"""The threshold table's words and rules: paths, presets, checked changes.
 
 The table holds one byte threshold per I/O class, in the kernel's class order
 (IOPRIO_CLASS_NONE, RT, BE, IDLE = 0..3); a request up to its class's threshold is
@@ -9,30 +9,18 @@ dispatch, the control socket and tune share these words; nothing here imports th
 from __future__ import annotations
 
 from ..errors import ConfigError
+from ..ioclass import CLASSES, class_index
 from ..limits import MAX_REQUEST_SIZE
 
-CLASSES = ("none", "rt", "be", "idle")
-# each class's rank, by index: rt first, then be and none (IOPRIO_CLASS_NONE is served as
-# be), then idle; the pool's queues, the gate and a promotion by name all rank by it
-RANK = (1, 0, 1, 2)
 INLINE, POOL = "inline", "pool"  # the two paths a request can take
 FIXED = (1 << 20,) * 4  # measured once on 2 cores with the native engine (docs/control.md)
-CALIBRATED = "default"  # the preset the server measures at start-up (serve/calibrate.py)
+CALIBRATED = "default"  # the preset the server measures at start-up (schedule/calibrate.py)
 PRESETS = {
     "default": FIXED,  # until calibrated, and where calibration cannot run
     "fixed": FIXED,
     "seed": (4096, 4096, 4096, 4096),  # the seed use_bh_bytes patch
     "kernel": (8192, 8192, 8192, 0),  # Linux 6.15 use_bh_bytes defaults
 }
-
-
-def class_index(name: str, key: str = "class") -> int:
-    """0..3 for a class name; ConfigError naming the key otherwise."""
-    try:
-        return CLASSES.index(name.strip().lower())
-    except ValueError:
-        raise ConfigError(f"{key}: unknown I/O class {name!r} (one of "
-                          f"{', '.join(CLASSES)})") from None
 
 
 def check_threshold(name: str, value) -> int:

@@ -35,8 +35,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..errors import ConfigError
+from ..ioclass import CLASSES
 from ..limits import MAX_REQUEST_SIZE
-from .table import CLASSES, INLINE, POOL
+from .table import INLINE, POOL
 
 SIZES = tuple(4096 << i for i in range(8))  # 4 KiB .. 512 KiB
 FORCE = {INLINE: MAX_REQUEST_SIZE, POOL: 0}  # the threshold that forces each mode

@@ -1,7 +1,7 @@
 """One verified export (Device) and its clients (Connection): what the plugin serves.
 
 A Device opens the images, checks the root, and owns the cache, verifier, dispatcher and
-control socket; a Connection is one client, with its I/O class. nbd_verity.serve.plugin calls
+control socket; a Connection is one client, with its I/O class. nbd_verity.serve.callbacks calls
 them and turns their exceptions into errno values (and decides what restart-on-corruption
 does). This module does not import nbdkit, so it also runs (and is tested) outside nbdkit;
 the nbdkit services it needs (export name, peer pid) are passed in as Hooks.
@@ -15,30 +15,30 @@ from dataclasses import dataclass
 
 from ..control.protocol import Control
 from ..control.server import ControlServer
-from ..control.table import CALIBRATED, CLASSES, class_index, preset, table_dict, updated_table
+from ..control.table import CALIBRATED, preset, table_dict, updated_table
 from ..errors import ConfigError, CorruptionError, ImageIOError
 from ..format.areas import check_layout
 from ..format.blocks import block_span
 from ..format.params import load_params
 from ..format.roothash import root_digest
+from ..ioclass import CLASSES, class_index, connection_class
 from ..log import log
+from ..prepare.config import ServerConfig, parse_size
+from ..read.cache import HashBlockCache
+from ..read.readahead import Readahead
+from ..read.verifier import Verifier, VerifyOptions
+from ..schedule.calibrate import Calibration, calibrate_apart
+from ..schedule.dispatch import Dispatcher
+from ..schedule.gate import gate
 from ..sources.remote import is_uri, open_source
 from ..trust.root import TrustedRoot, resolve_root
 from . import fastpath, threadstate
-from .cache import HashBlockCache
-from .calibrate import Calibration, calibrate_apart
-from .config import ServerConfig, parse_size
-from .dispatch import Dispatcher
-from .gate import gate
-from .ioprio import connection_class
 from .nbdkit_compat import nbdkit_version, version_text
-from .readahead import Readahead
-from .verifier import Verifier, VerifyOptions
 
 
 @dataclass
 class Shared:
-    """What the exports of one many-export server share (serve/exports.py): one
+    """What the exports of one many-export server share (serve/exportset.py): one
     verification pool and one threshold table; None for a server of one image."""
 
     table: tuple[int, ...]
@@ -209,9 +209,9 @@ class Device:
 
 
 def open_ddi_of(config: ServerConfig):
-    """The DDI config names (serve/ddi.py), opened with its root settled; None when the
+    """The DDI config names (prepare/disk.py), opened with its root settled; None when the
     data image is not served as one."""
-    from .ddi import is_ddi, open_ddi  # the GPT code only for a disk image
+    from ..prepare.disk import is_ddi, open_ddi  # the GPT code only for a disk image
     if config.partition is None and not is_ddi(config.data, config.hash):
         return None
     if config.hash is not None:

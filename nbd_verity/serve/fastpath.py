@@ -48,7 +48,7 @@ from time import perf_counter
 
 from ..control.table import INLINE, POOL
 from ..limits import MAX_REQUEST_SIZE
-from .learn import LEARN_MIN
+from ..schedule.learn import LEARN_MIN
 
 FAST_PATH_ENV = "NBD_VERITY_FAST_PATH"  # 0: every request takes the general path
 SAMPLE_EVERY = 64  # one request in this many (per thread and class) has its latency timed

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 
 from ..errors import ConfigError
 from ..launch import NBDKIT, PLUGIN, check_listen, nbdkit_command, plugin_environment
-from .config import config_from_pairs, plugin_pairs
+from ..prepare.config import config_from_pairs, plugin_pairs
 from .device import Device
 from .nbdkit_compat import nbdkit_version, version_text
 
@@ -31,8 +31,8 @@ def exec_exports(directory: str, options: dict, listen: Mapping) -> None:
     """`serve --exports DIR`: check the directory and every export file once here (a bad
     file is one line, and the others still serve), then replace this process with nbdkit
     serving them all; options are the server's (per-image ones belong in the files)."""
-    from .exportfile import OPTIONS
-    from .exports import ExportSet
+    from ..prepare.exportfile import OPTIONS
+    from .exportset import ExportSet
     check_listen(listen)
     if not os.path.isdir(directory):
         raise ConfigError(f"exports: {directory}: not a directory")

@@ -21,7 +21,7 @@ import os
 KEEP_ENV = "NBD_VERITY_KEEP_THREAD_STATE"
 
 try:
-    from nbd_verity.serve import _threadstate
+    from nbd_verity import _threadstate
 except ImportError:  # built without a compiler: every request makes its own state
     _threadstate = None
 

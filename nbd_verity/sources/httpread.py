@@ -53,7 +53,7 @@ _format_exception = traceback.format_exception
 
 def _one_line(exc, value=None, tb=None, **kwargs):
     """nbdkit prints a callback's exception with traceback.format_exception: ours as
-    its one-line message (as serve/plugin.py does), anything else in full."""
+    its one-line message (as serve/callbacks.py does), anything else in full."""
     error = value if value is not None else exc
     if isinstance(error, HttpError):
         return [str(error)]

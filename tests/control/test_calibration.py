@@ -1,4 +1,4 @@
-"""The default threshold table is measured when the server starts (serve/calibrate.py):
+"""The default threshold table is measured when the server starts (schedule/calibrate.py):
 what it chose is in `ctl thresholds` and `ctl stats`, explicit thresholds win over it,
 the other presets are not calibrated, and `--preset default` brings the measured table
 back at run time. Real `nbd-verity serve`, real control socket, real NBD reads."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 import os
 
 from nbd_verity.limits import MAX_REQUEST_SIZE
-from nbd_verity.serve.dispatch import POOL_CHUNK_SIZE
-from nbd_verity.serve.learn import LEARN_MIN
+from nbd_verity.schedule.dispatch import POOL_CHUNK_SIZE
+from nbd_verity.schedule.learn import LEARN_MIN
 
 from .harness import CLASSES, ctl
 
@@ -49,7 +49,7 @@ def test_the_default_table_is_calibrated_and_says_how(servers, image):
         f"calibrated at start-up in {calibration['ms']:.0f} ms: "), shown.stdout
 
     # the first request of a size takes the table's path (at the threshold inline, at
-    # twice it the pool), unless serve/learn.py's rule says otherwise: one client, a
+    # twice it the pool), unless schedule/learn.py's rule says otherwise: one client, a
     # request of two pool chunks or more and two workers or more take the pool. At
     # 4096 bytes in (4096-byte blocks), one of 512 KiB spans two leaf hash blocks: never
     # the fast path, which verifies one within its threshold inline whatever the rule

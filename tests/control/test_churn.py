@@ -2,7 +2,7 @@
 
 fio (--ioengine=nbd, libnbd underneath) runs four jobs, two on an `@be` and two on a
 `@none` connection (two classes of one rank: an idle one would wait for be at the class
-gate, serve/gate.py, and hardly run), with request sizes from 4 KiB to 256 KiB, for a
+gate, schedule/gate.py, and hardly run), with request sizes from 4 KiB to 256 KiB, for a
 fixed time. Meanwhile the table alternates between all-pool (every class 0) and
 all-inline (every class 256 KiB) through the control socket; after each change we wait
 until the server has completed

@@ -12,7 +12,7 @@ import nbd
 import pytest
 
 from nbd_verity.launch import NBDKIT
-from nbd_verity.serve.learn import COUNT, EXPLORE, SKIP, SKIP_MAX
+from nbd_verity.schedule.learn import COUNT, EXPLORE, SKIP, SKIP_MAX
 from nbd_verity.serve.nbdkit_compat import nbdkit_version, version_text
 
 from .harness import CLASSES, ctl, one_error_line

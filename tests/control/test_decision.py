@@ -12,9 +12,10 @@ import subprocess
 
 import pytest
 
+from nbd_verity import ioclass as ioprio
 from nbd_verity.control import table as tables
 from nbd_verity.errors import ConfigError
-from nbd_verity.serve import dispatch, ioprio
+from nbd_verity.schedule import dispatch
 
 from .harness import CLASSES
 

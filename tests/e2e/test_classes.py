@@ -5,7 +5,7 @@ the default class `be`, the one named `@rt` is `rt` (docs/control.md). The host 
 server's per-class counters between the guest's steps, then flips the threshold table
 between "everything to the pool" and "everything inline" while fio reads both devices,
 and the guest must see no error and the right bytes. The rt jobs pause 20 ms between
-reads (fio's thinktime): be waits while rt is busy (serve/gate.py), and the pauses,
+reads (fio's thinktime): be waits while rt is busy (schedule/gate.py), and the pauses,
 longer than the gate's quiet time, give it its turns.
 """
 
@@ -16,7 +16,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from nbd_verity.control.table import CLASSES
+from nbd_verity.ioclass import CLASSES
 
 from .conftest import DATA_SIZE, Images
 from .harness import NBD_VERITY, Server, guest_session

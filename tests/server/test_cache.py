@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from nbd_verity.serve.config import config_from_pairs
+from nbd_verity.prepare.config import config_from_pairs
 from nbd_verity.serve.device import Connection, Device
 
 from .serverlib import MIB, expect_eio, flip_byte

@@ -15,10 +15,10 @@ import random
 import nbd
 import pytest
 
-from nbd_verity.control.table import CLASSES
 from nbd_verity.errors import CorruptionError, VerityError
 from nbd_verity.format import digest
-from nbd_verity.serve.config import config_from_pairs
+from nbd_verity.ioclass import CLASSES
+from nbd_verity.prepare.config import config_from_pairs
 from nbd_verity.serve.device import Connection, Device
 from nbd_verity.serve.fastpath import SAMPLE_EVERY, never
 
@@ -35,7 +35,7 @@ def device(image, monkeypatch, path: str = "fast", **keys) -> Device:
         monkeypatch.setenv(FAST_PATH_ENV, "0")
     else:
         monkeypatch.delenv(FAST_PATH_ENV, raising=False)
-    # the fixed table, pinned: the default learns from live timings (serve/learn.py), and
+    # the fixed table, pinned: the default learns from live timings (schedule/learn.py), and
     # two devices' inline/pool counts compared here must not depend on them
     keys.setdefault("threshold_preset", "fixed")
     return Device(config_from_pairs(image.pairs(readahead="false", **keys)))
@@ -146,7 +146,7 @@ def test_options_that_change_the_success_path_turn_it_off(default_image, monkeyp
 
 def unpinned(image, monkeypatch, **keys) -> Device:
     """A device whose classes nobody pinned, at a table under one leaf's span: an aligned
-    request of LEAF_SPAN is the learner's (serve/learn.py: two pool chunks)."""
+    request of LEAF_SPAN is the learner's (schedule/learn.py: two pool chunks)."""
     dev = device(image, monkeypatch, workers=2, **keys)  # the rule's cores: 2 at most
     dev.dispatcher.set_table((LEAF_SPAN // 2,) * len(CLASSES), pinned=frozenset())
     if dev.dispatcher.learner.rule(1, LEAF_SPAN, "pool") != "inline":

@@ -1,7 +1,7 @@
 """Classes rank the CPU: the nbdkit threads that verify a connection's requests run at
 its class's nice value (rt -10, be 0, idle 19; idle only while a connection of another
 rank is open, the server's own alone), read from /proc/PID/task/TID/stat; bytes do not
-depend on it. Classes rank whole requests (serve/gate.py): an idle request waits
+depend on it. Classes rank whole requests (schedule/gate.py): an idle request waits
 while a be client is busy, at most the stated bound, and not at all alone."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import time
 import nbd
 import pytest
 
-from nbd_verity.serve.gate import WAIT_S
+from nbd_verity.schedule.gate import WAIT_S
 
 from .serverlib import NBD_VERITY, control_request, wait_for
 

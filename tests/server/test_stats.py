@@ -8,7 +8,7 @@ import os
 import pytest
 
 from nbd_verity.errors import CorruptionError
-from nbd_verity.serve.config import config_from_pairs
+from nbd_verity.prepare.config import config_from_pairs
 from nbd_verity.serve.device import Connection, Device
 
 from .serverlib import MIB, control_request, flip_byte

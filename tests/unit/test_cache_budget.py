@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nbd_verity.serve.cache import HashBlockCache
+from nbd_verity.read.cache import HashBlockCache
 
 HBS = 4096
 

@@ -1,4 +1,4 @@
-"""serve/calibrate.py: its choice follows its own measurements, one worker never
+"""schedule/calibrate.py: its choice follows its own measurements, one worker never
 calibrates, and the budget bounds it; the server's way (calibrate_apart) measures in a
 forked child and leaves the calling process as it was, or measures in process when the
 child does not answer in time."""
@@ -13,8 +13,8 @@ import time
 from nbd_verity.control.table import FIXED
 from nbd_verity.format.digest import Digester
 from nbd_verity.limits import MAX_REQUEST_SIZE
-from nbd_verity.serve import calibrate as calibrate_module
-from nbd_verity.serve.calibrate import (
+from nbd_verity.schedule import calibrate as calibrate_module
+from nbd_verity.schedule.calibrate import (
     CONFIRM,
     POOL_WINS,
     SIZES,

@@ -10,7 +10,7 @@ import pytest
 
 from nbd_verity.cli.serve import serve_cmd
 from nbd_verity.errors import ConfigError
-from nbd_verity.serve.exportfile import (
+from nbd_verity.prepare.exportfile import (
     LISTEN_OPTIONS,
     OPTIONS,
     PATH_DESTS,

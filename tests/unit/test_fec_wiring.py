@@ -11,7 +11,7 @@ from nbd_verity.errors import ConfigError, DataCorruption, ImageIOError
 from nbd_verity.fec import image as fec_image
 from nbd_verity.format import digest
 from nbd_verity.format.params import VerityParams
-from nbd_verity.serve.config import config_from_pairs, plugin_pairs
+from nbd_verity.prepare.config import config_from_pairs, plugin_pairs
 from nbd_verity.serve.device import Connection, Device
 
 BS = 4096

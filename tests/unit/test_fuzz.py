@@ -16,8 +16,8 @@ from nbd_verity.control.table import preset
 from nbd_verity.errors import VerityError
 from nbd_verity.format.params import VerityParams, params_from_superblock
 from nbd_verity.format.superblock import SUPERBLOCK_SIZE, Superblock
-from nbd_verity.serve.config import KEYS, ConfigBuilder
-from nbd_verity.serve.ioprio import CLASSES, class_from_export_name
+from nbd_verity.ioclass import CLASSES, class_from_export_name
+from nbd_verity.prepare.config import KEYS, ConfigBuilder
 
 FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 VALID = VerityParams(data_blocks=1000, salt=bytes(range(32)), uuid=bytes(16)).check()

@@ -1,4 +1,4 @@
-"""The class gate (serve/gate.py) with real threads: a request of a worse class waits while
+"""The class gate (schedule/gate.py) with real threads: a request of a worse class waits while
 a better one is busy, runs once it has been quiet, never waits longer than the bound, and
 nothing waits or is counted when there is nothing to rank."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 import time
 
-from nbd_verity.serve.gate import ClassGate
+from nbd_verity.schedule.gate import ClassGate
 
 NONE, RT, BE, IDLE = range(4)
 

@@ -1,4 +1,4 @@
-"""The learned inline-or-pool choice (serve/learn.py): the rule's path, a trial EXPLORE
+"""The learned inline-or-pool choice (schedule/learn.py): the rule's path, a trial EXPLORE
 requests in (runs of the rule's path, the other, the rule's again), then the cheaper one
 by the pool/inline ratio once two trials agree (a lone one does not overturn the rule,
 and the next comes EXPLORE on), with the next trial EXPLORE requests later, twice as far after
@@ -16,8 +16,8 @@ import threading
 import time
 
 from nbd_verity.control.table import INLINE, POOL
-from nbd_verity.serve.dispatch import CYCLE_GAP_S, POOL_CHUNK_SIZE, Dispatcher
-from nbd_verity.serve.learn import (
+from nbd_verity.schedule.dispatch import CYCLE_GAP_S, POOL_CHUNK_SIZE, Dispatcher
+from nbd_verity.schedule.learn import (
     BUCKETS,
     COUNT,
     EXPLORE,

@@ -7,10 +7,10 @@ import os
 import threading
 import time
 
-from nbd_verity.control.table import CLASSES
-from nbd_verity.serve import priority
-from nbd_verity.serve.gate import ClassGate
-from nbd_verity.serve.pool import AGE_S, ClassPool
+from nbd_verity.ioclass import CLASSES
+from nbd_verity.schedule import priority
+from nbd_verity.schedule.gate import ClassGate
+from nbd_verity.schedule.pool import AGE_S, ClassPool
 
 NONE, RT, BE, IDLE = range(4)
 
@@ -141,7 +141,7 @@ def test_a_request_whose_chunks_the_pool_stops_taking_waits_for_those_it_took():
     """A pool that stops (shutdown) between one request's chunks refuses the rest; the
     request fails, but only once the chunks already queued have ended: they write into
     its buffer, which nbdkit reuses once the request has returned."""
-    from nbd_verity.serve.dispatch import Dispatcher
+    from nbd_verity.schedule.dispatch import Dispatcher
 
     class Stopping(ClassPool):
         """Takes two chunks, then refuses as a stopping pool does."""

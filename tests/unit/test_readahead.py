@@ -1,4 +1,4 @@
-"""The readahead window (nbd_verity.serve.readahead) against a recording verifier: which leaves
+"""The readahead window (nbd_verity.read.readahead) against a recording verifier: which leaves
 a stream of requests prefetches, and when."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from nbd_verity.format.params import VerityParams
-from nbd_verity.serve.readahead import INITIAL_LEAVES, MAX_LEAVES, Readahead
+from nbd_verity.read.readahead import INITIAL_LEAVES, MAX_LEAVES, Readahead
 
 KIB = 1 << 10
 LEAF_DATA = 128 * 4 * KIB  # data bytes one level-0 block covers at 4096/4096 sha256

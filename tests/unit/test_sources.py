@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from nbd_verity.errors import ConfigError
-from nbd_verity.serve.config import config_from_pairs, plugin_pairs
+from nbd_verity.prepare.config import config_from_pairs, plugin_pairs
 from nbd_verity.sources import s3, upstream
 from nbd_verity.sources.remote import check_uri, is_uri, redacted
 

@@ -1,4 +1,4 @@
-"""keep() and release() on Python's own threads (serve/_threadstate.c): Python deletes such
+"""keep() and release() on Python's own threads (_threadstate.c): Python deletes such
 a thread's state itself, and the marker in the state makes the count follow."""
 
 from __future__ import annotations

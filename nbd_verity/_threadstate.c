@@ -1,4 +1,4 @@
-/* nbd_verity.serve._threadstate: keep the Python thread state of an nbdkit thread.
+/* nbd_verity._threadstate: keep the Python thread state of an nbdkit thread.
  *
  * nbdkit's Python plugin wraps every callback in PyGILState_Ensure/PyGILState_Release.
  * nbdkit's threads are not Python's, so each Ensure makes a new thread state and each
@@ -31,7 +31,7 @@ static pthread_key_t kept_key;
 static pthread_once_t kept_once = PTHREAD_ONCE_INIT;
 static int kept_key_made;
 static atomic_long kept_count;  /* thread states kept now, for the leak tests and ctl stats */
-static const char MARK[] = "nbd_verity.serve._threadstate";  /* the marker's key and name */
+static const char MARK[] = "nbd_verity._threadstate";  /* the marker's key and name */
 
 static int finalizing(void)
 {
@@ -110,7 +110,7 @@ static PyObject *kept(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(unused))
     return PyLong_FromLong(atomic_load(&kept_count));
 }
 
-/* The nice value this thread last asked for (serve/priority.py): a request of the same
+/* The nice value this thread last asked for (schedule/priority.py): a request of the same
  * class as the last one on this thread costs one compare, no system call. */
 static __thread int applied_nice = INT_MIN;
 
@@ -144,7 +144,7 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT,
-    .m_name = "nbd_verity.serve._threadstate",
+    .m_name = "nbd_verity._threadstate",
     .m_doc = "Keep an nbdkit thread's Python thread state from one callback to the next.",
     .m_size = -1,
     .m_methods = methods,

@@ -42,7 +42,8 @@ import time
 import warnings
 from dataclasses import dataclass
 
-from ..control.table import CLASSES, FIXED
+from ..control.table import FIXED
+from ..ioclass import CLASSES
 from ..limits import MAX_REQUEST_SIZE
 from .dispatch import Dispatcher
 

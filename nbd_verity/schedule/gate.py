@@ -40,7 +40,7 @@ from __future__ import annotations
 import threading
 import time
 
-from ..control.table import RANK
+from ..ioclass import RANK
 from . import priority
 
 RANKS = 3

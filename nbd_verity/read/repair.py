@@ -2,7 +2,7 @@
 failed its digest and its re-read, or that the source cannot read, rebuilt from its
 codeword group (fec/served.py) and used only if it matches its trusted digest.
 
-FecRepairs is mixed into serve/verifier.py's Verifier, whose state it uses (fec, geo,
+FecRepairs is mixed into read/verifier.py's Verifier, whose state it uses (fec, geo,
 digester, counters, zero_digest, _data_want); it is apart only to keep each file to one
 concern: the verifier reads and checks, this rebuilds.
 """

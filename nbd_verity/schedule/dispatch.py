@@ -37,10 +37,11 @@ import time
 from collections import deque
 from threading import get_ident
 
-from ..control.table import CLASSES, INLINE, POOL
+from ..control.table import INLINE, POOL
+from ..ioclass import CLASSES
+from ..read.tally import Tally
 from .learn import LEARN_MIN, Learner
 from .pool import ClassPool
-from .tally import Tally
 
 CYCLE_GAP_S = 0.05  # a client quiet longer than this: the request alone is the sample
 

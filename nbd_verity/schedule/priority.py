@@ -33,7 +33,7 @@ import errno
 import os
 import threading
 
-from ..control.table import CLASSES
+from ..ioclass import CLASSES
 from ..log import log
 
 NICE = {"none": 0, "rt": -10, "be": 0, "idle": 19}
@@ -42,7 +42,7 @@ ALONE_NICE = tuple(min(0, nice) for nice in CLASS_NICE)  # ... with no other ran
 PRIORITY_ENV = "NBD_VERITY_CLASS_PRIORITY"  # 0: every thread at the server's own nice
 
 try:
-    from ._threadstate import set_nice as _set_nice
+    from .._threadstate import set_nice as _set_nice
 except ImportError:  # built without a compiler: the same in Python, per thread
     _local = threading.local()
 

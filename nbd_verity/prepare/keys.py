@@ -18,7 +18,7 @@ def settle_ddi_arguments(options: dict) -> None:
     """For a DDI (with partition, or DATA starting with a GPT), which holds its own
     verity partition, the second argument is the ROOT_HASH: `DATA [ROOT_HASH]`."""
     if options.get("partition") is None:
-        from .ddi import root_hash_in_hash_place  # the GPT code only for a DDI
+        from .disk import root_hash_in_hash_place  # the GPT code only for a DDI
         if root_hash_in_hash_place(options["data"], options.get("hash_image"),
                                    options.get("root_hash")):
             options["root_hash"], options["hash_image"] = options["hash_image"], None

@@ -16,11 +16,10 @@ from ..errors import ConfigError
 from ..format.digest import parse_salt
 from ..format.roothash import root_hash_text
 from ..logbound import DEFAULT_LOG_RATE
-from .cache import DEFAULT_CACHE_SIZE
+from ..read.cache import DEFAULT_CACHE_SIZE
+from ..read.counters import EIO, IGNORE_CORRUPTION, MODES, RESTART_ON_CORRUPTION  # noqa: F401 (config's words)
 
 # dm-verity's error modes (docs/server.md, "Error modes"): the one home of their names.
-EIO, IGNORE_CORRUPTION, RESTART_ON_CORRUPTION = "eio", "ignore-corruption", "restart-on-corruption"
-MODES = (EIO, IGNORE_CORRUPTION, RESTART_ON_CORRUPTION)
 
 READAHEAD_MIN_SIZE = 128 << 10  # a request this large triggers Merkle readahead
 # nbdkit thread models by name. SERIALIZE_REQUESTS is the default: requests of one
@@ -113,12 +112,12 @@ class ServerConfig:
     fec_device: str | None = None  # Reed-Solomon parity, as veritysetup --fec-device
     fec_roots: int = 2  # veritysetup's default --fec-roots
     fec_offset: int = 0  # bytes into fec_device where the parity starts
-    partition: str | None = None  # a DDI: "auto", "root" or "usr" (serve/ddi.py); None:
+    partition: str | None = None  # a DDI: "auto", "root" or "usr" (prepare/disk.py); None:
     # a DDI only if no hash image is given or found and the data starts with a GPT
     source_timeout: float = 60.0  # seconds a connect or read of an NBD source may take
     exports: str | None = None  # a directory of export files: serve them all (exports.py)
     # class name -> the peer uids that may choose it by name (None: every client); a class
-    # above the default chosen by name needs this (serve/ioprio.py)
+    # above the default chosen by name needs this (ioclass.py)
     allow_classes: dict = field(default_factory=dict)
     list_exports: bool = False  # NBD_OPT_LIST answered (nbd-server's allowlist)
 
@@ -172,7 +171,7 @@ def _threshold(key: str, text: str) -> tuple[str, str]:
 
 def _allow_class(key: str, text: str) -> tuple[str, frozenset | None]:
     """allow-class=CLASS or CLASS=UID[,UID...] (repeatable): who may name CLASS."""
-    from ..control.table import class_index
+    from ..ioclass import class_index
     name, sep, uids = text.partition("=")
     name = name.strip().lower()
     class_index(name, key)

@@ -6,7 +6,7 @@ them. So that no chunk waits for ever behind a constant stream of better ones, a
 chunk rises one class for every AGE_S it has waited: after 3 x AGE_S (150 ms) nothing
 queued later can go before it, and it waits at most that long plus the chunks the
 workers already hold (each a few hundred microseconds: POOL_CHUNK_SIZE of hashing).
-A worker runs each chunk at its class's CPU priority (serve/priority.py) where this
+A worker runs each chunk at its class's CPU priority (schedule/priority.py) where this
 process may raise a thread's priority again (CAP_SYS_NICE): a worker lowered for an
 idle chunk must come back for the next rt one; without the privilege the workers stay
 at the server's own priority and only the queue order ranks the classes.
@@ -35,7 +35,7 @@ import time
 from collections import deque
 from concurrent.futures import Future
 
-from ..control.table import RANK
+from ..ioclass import RANK
 from . import priority
 
 AGE_S = 0.05  # a queued chunk rises one class for every AGE_S it waits

@@ -1,6 +1,6 @@
 """Many verified images from one server: the exports of a directory of export files.
 
-`nbd-verity serve --exports DIR` serves every DIR/NAME.conf (serve/exportfile.py) as the
+`nbd-verity serve --exports DIR` serves every DIR/NAME.conf (prepare/exportfile.py) as the
 export NAME, as nbd-server serves the sections of its config file and qemu-storage-daemon
 its block exports. Each export is a Device of its own (its sources, root of trust, tree,
 FEC, cache, counters, corruption status); what they share is the server's: one
@@ -37,21 +37,22 @@ from concurrent.futures import Future, wait
 from dataclasses import dataclass, field, replace
 
 from ..control.exports import RELOAD_DEADLINE_S
-from ..control.table import CALIBRATED, CLASSES, class_index, preset, table_dict, updated_table
+from ..control.table import CALIBRATED, preset, table_dict, updated_table
 from ..errors import ConfigError, VerityError
+from ..ioclass import CLASSES, class_index
 from ..log import log
+from ..prepare.config import ServerConfig, config_from_pairs, parse_size
+from ..prepare.exportfile import ExportFile, export_files, read_export_file
+from ..prepare.keys import image_pairs
+from ..schedule.calibrate import calibrate_apart
+from ..schedule.pool import ClassPool
 from ..sources.remote import redact_text
 from ..sources.upstream import stop_upstreams
 from ..trust.certs import DEFAULT_SEARCH_PATH
 from ..trust.remote_sidecar import close_private
 from ..trust.sidecar import auxiliary_path
-from .calibrate import calibrate_apart
-from .config import ServerConfig, config_from_pairs, parse_size
 from .device import Connection, Device, Hooks, Shared
-from .exportfile import ExportFile, export_files, read_export_file
-from .image import image_pairs
 from .nbdkit_compat import nbdkit_version, version_text
-from .pool import ClassPool
 
 OPENERS = 4  # export files one reload opens at once (each may wait on the network)
 # what sits beside a local image and may carry its trust (trust/sidecar.py)

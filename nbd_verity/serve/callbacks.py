@@ -9,9 +9,9 @@ offers the request to its connection's fast path (serve/fastpath.py: the common 
 one frame and one native call); whatever that declines takes the general path. Before
 either, pread keeps the thread's Python thread state for the requests after it
 (serve/threadstate.py), and close gives it back, puts the thread at its
-connection's class priority (serve/priority.py), and waits at the class gate while a
-better class is busy (serve/gate.py: open and close count the connections it ranks).
-With exports=DIR the callbacks serve every export of DIR (serve/exports.py): open picks
+connection's class priority (schedule/priority.py), and waits at the class gate while a
+better class is busy (schedule/gate.py: open and close count the connections it ranks).
+With exports=DIR the callbacks serve every export of DIR (serve/exportset.py): open picks
 one by name, list_exports lists them.
 
 A failed request is raised by nbdkit_compat.FailureRaiser, outside any `except` block, so
@@ -30,18 +30,19 @@ import traceback
 import nbdkit
 
 from nbd_verity import logbound
-from nbd_verity.control.table import CLASSES
 from nbd_verity.errors import ConfigError, CorruptionError, ImageIOError, VerityError
+from nbd_verity.ioclass import CLASSES
 from nbd_verity.limits import MAX_REQUEST_SIZE
 from nbd_verity.log import log
-from nbd_verity.serve import device, gate, nbdkit_compat, priority, threadstate
-from nbd_verity.serve.config import (
+from nbd_verity.prepare.config import (
     PARALLEL,
     RESTART_ON_CORRUPTION,
     SERIALIZE_ALL_REQUESTS,
     SERIALIZE_REQUESTS,
     ConfigBuilder,
 )
+from nbd_verity.schedule import gate, priority
+from nbd_verity.serve import device, nbdkit_compat, threadstate
 
 API_VERSION = 2
 __all__ = ["API_VERSION", "after_fork", "block_size", "cache", "can_cache", "can_multi_conn",
@@ -53,7 +54,7 @@ RESTART_GRACE_S = 0.5  # time for the failing request's reply before the process
 EXIT_RESTART = 75  # exit status after restart-on-corruption (EX_TEMPFAIL): supervisor restarts
 _builder = ConfigBuilder()
 _device = None  # the one image served, or
-_exports = None  # the exports of a directory (serve/exports.py)
+_exports = None  # the exports of a directory (serve/exportset.py)
 _restart_requested = threading.Event()
 _format_exception = traceback.format_exception
 _failed_reads = [0]  # requests answered with an error, for the log summary
@@ -117,7 +118,7 @@ def _peer_uid() -> int:
 def _may_name(io_class: int) -> bool:
     """Whether this connection's client may choose io_class by name although it ranks
     above the default: `--allow-class CLASS` for every client, `CLASS=UID,...` for those
-    peers (serve/ioprio.py)."""
+    peers (ioclass.py)."""
     allowed = _config.allow_classes
     name = CLASSES[io_class]
     if name not in allowed:
@@ -196,7 +197,7 @@ def get_ready():
     hooks = device.Hooks(export_name=nbdkit.export_name, peer_pid=_peer_pid,
                          stopping=_stopping, may_name=_may_name)
     if _config.exports is not None:
-        from nbd_verity.serve.exports import ExportSet  # many images, one server
+        from nbd_verity.serve.exportset import ExportSet  # many images, one server
         _exports = ExportSet(_config, hooks)
         _exports.reload()  # a refused file is logged; the others serve
         return
@@ -250,7 +251,7 @@ def open(readonly):
             h = _exports.open(nbdkit.export_name())
         else:
             h = device.Connection.open(_device)
-        _gate.opened(h.io_class)  # ranked against the other connections (serve/gate.py)
+        _gate.opened(h.io_class)  # ranked against the other connections (schedule/gate.py)
         return h
     except ConfigError as e:  # an unknown class in the export name, or export
         problem = str(e)
@@ -297,12 +298,12 @@ def pread(h, buf, offset, flags):
     only while connections of two ranks are open (one attribute read otherwise)."""
     _keep()  # from the second request of a thread on: no new Python thread state
     ranked = _gate.ranked  # read once: the nice value and the gate agree on it
-    if _set_nice is not None:  # this thread at its connection's class (serve/priority.py)
+    if _set_nice is not None:  # this thread at its connection's class (schedule/priority.py)
         nice = (_CLASS_NICE if ranked else _ALONE_NICE)[h.io_class]
         refused = _set_nice(nice)
         if refused is not None:
             priority.refusal(h.io_class, refused, nice)
-    if ranked:  # the gate may make it wait, or count it (serve/gate.py)
+    if ranked:  # the gate may make it wait, or count it (schedule/gate.py)
         problem = _ranked_read(h, buf, offset)
     elif h.fast(buf, offset):  # the common request, in one frame more (serve/fastpath.py)
         return

@@ -19,11 +19,26 @@ import ctypes
 import os
 import platform
 
-from ..control.table import CLASSES, RANK, class_index
-from ..log import log
+from .errors import ConfigError
+from .log import log
 
 IOPRIO_CLASS_SHIFT = 13
 IOPRIO_WHO_PROCESS = 1
+CLASSES = ("none", "rt", "be", "idle")
+# each class's rank, by index: rt first, then be and none (IOPRIO_CLASS_NONE is served as
+# be), then idle; the pool's queues, the gate and a promotion by name all rank by it
+RANK = (1, 0, 1, 2)
+
+
+def class_index(name: str, key: str = "class") -> int:
+    """0..3 for a class name; ConfigError naming the key otherwise."""
+    try:
+        return CLASSES.index(name.strip().lower())
+    except ValueError:
+        raise ConfigError(f"{key}: unknown I/O class {name!r} (one of "
+                          f"{', '.join(CLASSES)})") from None
+
+
 _SYS_IOPRIO_GET = {"x86_64": 252, "aarch64": 31, "i686": 290, "armv7l": 315}
 
 
@@ -48,7 +63,7 @@ def ioprio_class_of_pid(pid: int) -> int | None:
 
 
 def promotes(named: int, default: int) -> bool:
-    """Whether a class named ranks above the default (control/table.RANK)."""
+    """Whether a class named ranks above the default (RANK)."""
     return RANK[named] < RANK[default]
 
 

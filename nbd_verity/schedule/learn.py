@@ -117,7 +117,8 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from ..control.table import CLASSES, INLINE, POOL
+from ..control.table import INLINE, POOL
+from ..ioclass import CLASSES
 
 LEARN_MIN = 512 << 10  # two pool chunks (dispatch.POOL_CHUNK_SIZE); smaller ones follow the table
 BUCKETS = 7  # 512 KiB, 1 MiB, ... 32 MiB (MAX_REQUEST_SIZE)

@@ -29,8 +29,7 @@ from ..format.params import VerityParams
 from ..log import log
 from ..sources.source import ImageFile
 from .cache import HashBlockCache
-from .config import IGNORE_CORRUPTION
-from .counters import MAX_LOGGED_ERRORS, Counters, VerifyOptions
+from .counters import IGNORE_CORRUPTION, MAX_LOGGED_ERRORS, Counters, VerifyOptions
 from .repair import FecRepairs
 
 if TYPE_CHECKING:

@@ -1,0 +1,1 @@
+"""From options to an opened, trusted, checked image: what runs before nbdkit serves."""
