@@ -10,7 +10,6 @@ from ..control.exports import RELOAD_DEADLINE_S
 from ..control.protocol import CLIENT_TIMEOUT, request
 from ..files import write_atomically
 from ..ioclass import CLASSES
-from ..schedule.calibrate import describe
 from .common import EXIT_CORRUPT, edge, fail
 
 
@@ -49,7 +48,7 @@ def parse_assignments(items: tuple[str, ...]) -> dict[str, int]:
 @ctl.command("thresholds")
 @click.argument("assignments", nargs=-1, metavar="[CLASS=BYTES]...")
 @click.option("--preset", default=None,
-              help="Load a preset table (default: as calibrated; fixed, seed, kernel).")
+              help="Load a preset table (default, fixed, seed, kernel).")
 @click.option("--json", "as_json", is_flag=True, help="Print the raw reply.")
 @click.pass_obj
 @edge
@@ -70,8 +69,6 @@ def thresholds_cmd(control: str, assignments, preset, as_json) -> None:
     for name in CLASSES:
         click.echo(f"{name:<5} {reply['thresholds'][name]}" + ("  (pinned)" if name in pinned
                                                                else ""))
-    if reply.get("calibration"):
-        click.echo(describe(reply["calibration"]))
     for line in learned_lines(reply.get("learned", {})):
         click.echo(line)
 
@@ -181,8 +178,6 @@ def format_stats(stats: dict) -> str:
     if "class_gate" in stats:
         lines.append(dispatch_line(stats))
     lines.extend(learned_lines(stats.get("learned", {})))
-    if stats.get("calibration"):
-        lines.append("thresholds " + describe(stats["calibration"]))
     if "trust" in stats:
         lines.append(trust_line(stats["trust"]))
     return "\n".join(lines)

@@ -202,7 +202,7 @@ class Control:
 
     def _thresholds(self, request: dict) -> dict:
         from ..ioclass import CLASSES, class_index
-        from .table import CALIBRATED, table_dict, updated_table
+        from .table import ADAPTIVE, loaded, table_dict, updated_table
         dispatcher = self.device.dispatcher
         changes = _field(request, "set", dict)
         name = _field(request, "preset", str)
@@ -210,10 +210,9 @@ class Control:
             raise ProtocolError("give set or preset, not both")
         try:
             with self._lock:  # writers serialise, so two partial updates both land
-                if name is not None:  # a fixed preset pins every class; `default` none
-                    pinned = (self.device.explicit_classes() if name == CALIBRATED
-                              else frozenset(range(len(CLASSES))))
-                    dispatcher.set_table(self.device.preset_table(name), pinned)
+                if name is not None:  # a fixed preset as it is, pinning every class;
+                    explicit = self.device.explicit if name == ADAPTIVE else {}  # `default`
+                    dispatcher.set_table(*loaded(name, explicit))  # with --threshold over it
                 elif changes is not None:  # what is set by hand, the table alone decides
                     table = updated_table(dispatcher.table, changes)
                     dispatcher.set_table(table, dispatcher.pinned | {
@@ -222,7 +221,7 @@ class Control:
         except ConfigError as e:
             raise ProtocolError(str(e)) from None
         learner = getattr(dispatcher, "learner", None)  # a many-export server: per export
-        return {"thresholds": table_dict(table), "calibration": self.device.calibration_dict(),
+        return {"thresholds": table_dict(table),
                 "pinned": [CLASSES[c] for c in sorted(dispatcher.pinned)],
                 "learned": learner.snapshot() if learner is not None else {}}
 

@@ -55,9 +55,10 @@ class ControlServer:
     answered when it is done, woken through the socket pair: meanwhile that client's
     later lines wait and every other client is served), MAX_LINES_PER_TURN of one client
     at a time (then the others have their turn), and a client's next chunk is read only
-    once every line of the last one is answered. Beyond RATE_BURST requests at once and RATE_PER_S per second a
-    request is refused with RATE_ERROR, which costs next to nothing: a write full of
-    requests cannot hold the control thread, and the GIL, from the NBD threads."""
+    once every line of the last one is answered. Beyond RATE_BURST requests at once and
+    RATE_PER_S per second a request is refused with RATE_ERROR, which costs next to
+    nothing: a write full of requests cannot hold the control thread, and the GIL, from
+    the NBD threads."""
 
     def __init__(self, path: str, control: Control) -> None:
         self.path = path
@@ -268,7 +269,7 @@ class _Client:
 
     def ready(self) -> bool:
         """Whether the loop has something to do for this client without new input."""
-        return bool(self.lines) and self.pending is None or (
+        return (bool(self.lines) and self.pending is None) or (
             self.pending is not None and self.pending.done())
 
     def collect(self) -> None:

@@ -14,9 +14,12 @@ from ..limits import MAX_REQUEST_SIZE
 
 INLINE, POOL = "inline", "pool"  # the two paths a request can take
 FIXED = (1 << 20,) * 4  # measured once on 2 cores with the native engine (docs/control.md)
-CALIBRATED = "default"  # the preset the server measures at start-up (schedule/calibrate.py)
+# inline up to one pool chunk (schedule/dispatch.POOL_CHUNK_SIZE), which gets nothing from
+# the pool but its hand-off; larger requests of a class nobody pinned are the learner's
+DEFAULT = (256 << 10,) * 4
+ADAPTIVE = "default"  # the preset under which classes nobody pinned learn (schedule/learn.py)
 PRESETS = {
-    "default": FIXED,  # until calibrated, and where calibration cannot run
+    "default": DEFAULT,
     "fixed": FIXED,
     "seed": (4096, 4096, 4096, 4096),  # the seed use_bh_bytes patch
     "kernel": (8192, 8192, 8192, 0),  # Linux 6.15 use_bh_bytes defaults
@@ -46,6 +49,16 @@ def updated_table(table: tuple[int, ...], changes: dict) -> tuple[int, ...]:
     for name, value in changes.items():
         new[class_index(str(name), "threshold")] = check_threshold(str(name), value)
     return tuple(new)
+
+
+def loaded(name: str, explicit: dict) -> tuple[tuple[int, ...], frozenset]:
+    """A preset's table with the explicit thresholds (--threshold) over it, and the classes
+    it pins: under `default` only the explicit ones (the others learn above their
+    threshold, schedule/learn.py), under a fixed preset every class (the table decides)."""
+    table = updated_table(preset(name), explicit)
+    if name == ADAPTIVE:
+        return table, frozenset(class_index(str(c), "threshold") for c in explicit)
+    return table, frozenset(range(len(CLASSES)))
 
 
 def table_dict(table: tuple[int, ...]) -> dict[str, int]:

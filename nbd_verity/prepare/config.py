@@ -199,6 +199,13 @@ class Key:
 
 # Every plugin key, once: nbdkit's config() parses with it and `serve` derives its nbdkit
 # argument list from it (plugin_pairs), so the two front ends cannot drift apart.
+def explicit_thresholds(config: ServerConfig) -> dict[str, int]:
+    """The thresholds given by --threshold (or the key): bytes, with an optional K/M
+    suffix; they win over any preset and pin their class."""
+    return {name: parse_size(f"threshold {name}", value) if isinstance(value, str) else value
+            for name, value in config.thresholds.items()}
+
+
 KEYS = (
     Key("data", "data", image_location, "data"),
     Key("hash", "hash", image_location, "hash_image"),

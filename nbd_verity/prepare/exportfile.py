@@ -1,11 +1,11 @@
 """An export file, `/etc/nbd-verity/NAME.conf`: one verified image, as one `serve` names it.
 
-The one home of this format: `nbd-verity serve --export-file FILE` (what the template
-units run) and the many-export server (`serve --exports DIR`, every `NAME.conf` of DIR)
-both read it here. Its syntax is systemd's EnvironmentFile (the attach unit reads the same
-file with systemd's own parser): `KEY=value` lines, `#` and `;` comment lines, blank lines,
-a value in single or double quotes (backslash escapes inside double ones), a backslash at
-the end of a line continuing it. The keys:
+The one home of this format: `serve --export-file FILE` (the template units) and the
+many-export server (`serve --exports DIR`, every `NAME.conf` of DIR) both read it here.
+Its syntax is systemd's EnvironmentFile (the attach unit reads the same file with
+systemd's own parser): `KEY=value` lines, `#` and `;` comment lines, blank lines, a value
+in single or double quotes (backslash escapes inside double ones), a backslash at the
+end of a line continuing it. The keys:
 
   DATA, HASH, ROOT_HASH   what `serve DATA [HASH [ROOT_HASH]]` takes (HASH and ROOT_HASH
                           may be empty: found beside DATA, or a DDI's own)
@@ -13,22 +13,13 @@ the end of a line continuing it. The keys:
                           `$ARGS` (no quoting)
   NBD_DEVICE, ATTACH_ARGS for nbd-verity-attach@NAME.service; not the server's
 
-ARGS are parsed by OPTIONS below, the one table of the `serve` options an export file may
-carry, spelled as `serve` spells them (tests check the table against the command). Each
-option is an image's or the server's:
-
-  an image's   what the image is and how it is read: its tree, its root hash (file) and
-               its own signature, FEC, error and zero-block modes, cache, readahead,
-               sources (timeouts, upstream cache, S3)
-  the server's what it trusts and how it runs, one for all its images: trust anchors
-               (--trusted-certs) and signature policy (--require-signatures), as the
-               kernel's keyring and systemd's /etc/verity.d are the system's and no image
-               brings its own; restart on corruption; classes, pool, threads, thresholds;
-               and listening (LISTEN_OPTIONS, never in a file)
-
-A many-export server (`serve --exports DIR`) refuses the server's options in its files
-(exports.py, by ExportFile.server_options): its own command line says them for every
-export. A file served alone (`serve --export-file FILE`, the template units) is its one
+ARGS are parsed by OPTIONS below, the one table of the `serve` options a file may carry,
+spelled as `serve` spells them (tests check it against the command). Each option is an
+image's (its tree, root hash and own signature, FEC, modes, cache, readahead, sources)
+or the server's (trust anchors and signature policy, as the kernel's keyring and
+/etc/verity.d are the system's; restart on corruption; classes, pool, threads,
+thresholds; listening, never in a file). A many-export server refuses the server's
+options in its files (ExportFile.server_options); a file served alone is its one
 image's server's config, so it may give them.
 
 A path option (PATH_DESTS) takes a path, never a URL; a relative one is relative to the

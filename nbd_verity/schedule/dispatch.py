@@ -1,32 +1,22 @@
-"""The inline-or-pool decision (after dm-verity's use_bh_bytes) and the verification pool.
+"""The scheduling layer over the verifier's read: inline or pool (dm-verity's use_bh_bytes).
 
-Each I/O class has a byte threshold. A request no larger than its class's threshold is
-verified inline, in the nbdkit thread that received it: no hand-off, cheapest for small
-reads. A larger one is split on data-block boundaries into chunks verified in parallel by
-a bounded thread pool (the native engine hashes a chunk with the GIL released, so chunks
-really hash on several cores)
-and completes when every chunk has. A threshold of 0 sends every request of its class to
-the pool. The default table is measured when the server starts (calibrate.py); the
-preset `fixed` is 1 MiB for every class, `seed` the seed patch's 4096 for every class,
-and `kernel` what Linux 6.15 merged (8192, 8192, 8192, 0).
-
-The table (control/table.py: presets, checks, changes) is an immutable tuple replaced
-whole: readers take no lock, read it once per request, and a change applies from the next
-request on; none in flight is disturbed.
-
-Under load the table alone is not right (docs/control.md, "Dispatch under load"). For a
-class whose threshold nobody set explicitly, a request of at least 512 KiB (two pool
-chunks: a smaller one gets nothing from the pool but its hand-off) takes the path
-of a rule per class, size and load (learn.py: the pool while there are fewer clients than
-workers, inline when every worker has one), unless its recent trials found the other
-clearly cheaper (runs of the chosen path, the other and the chosen again, of whole client
-cycles, the pool's first 150 ms after inline's not counted, the verdict the pool/inline
-ratio), and one that should take the pool
-goes there only while such requests are at most half the workers and a worker is free
-(pool.claim); otherwise it is verified inline, in its own nbdkit thread, instead of
-waiting in the queue behind other connections' chunks (counted as `busy_inline`). A
-threshold set with --threshold or `ctl thresholds` pins its class: the table alone
-decides, exactly.
+Dispatcher.read has the verifier's read interface (buf, offset) plus the request's class.
+A request up to its class's threshold is verified inline, on the nbdkit thread that
+received it; a larger one is split on chunk boundaries (POOL_CHUNK_SIZE) and verified
+across the pool (pool.py; the native engine hashes with the GIL released), and completes
+when every chunk has. For a class nobody pinned, a request of LEARN_MIN bytes or more
+takes the learner's path (learn.py); one that should take the pool goes there only while
+such requests are at most half the workers and a worker is free (pool.claim), else it is
+verified inline (`busy_inline`). A threshold set with --threshold or `ctl thresholds`
+pins its class: the table alone decides, exactly.
+Invariants: the table is a tuple replaced whole (control/table.py has the presets and
+checks); a request reads it once, and a change applies from the next request on. Every
+chunk of a request has ended before the request returns, and its error is the first
+failing chunk's in offset order, as inline would have raised it.
+Locking: none per request. PathStats counts in per-thread rows (read/tally.py) and
+appends latencies to deques (atomic); a connection's Cycle is written only by the
+thread serving that connection's request.
+Why: docs/decisions/dispatch.md and docs/decisions/learner.md.
 """
 
 from __future__ import annotations
@@ -35,7 +25,6 @@ import os
 import threading
 import time
 from collections import deque
-from threading import get_ident
 
 from ..control.table import INLINE, POOL
 from ..ioclass import CLASSES
@@ -47,6 +36,32 @@ CYCLE_GAP_S = 0.05  # a client quiet longer than this: the request alone is the 
 
 POOL_CHUNK_SIZE = 256 << 10  # bytes per pool task: measured best of 64K..256K (docs/control.md)
 LATENCY_SAMPLES = 4096  # recent latencies kept per class and path, for percentiles
+
+
+class Cycle:
+    """A connection's last learned request, whose cost (learn.py: its cycle as its client
+    sees it) is recorded when the connection's next request comes; started 0.0: none."""
+
+    __slots__ = ("ended", "io_class", "length", "load", "path", "started")
+
+    def __init__(self) -> None:
+        self.started = 0.0
+
+    def hold(self, started: float, ended: float, length: int, path: str, load: int,
+             io_class: int) -> None:
+        self.ended, self.length, self.path, self.load = ended, length, path, load
+        self.io_class = io_class
+        self.started = started  # last: a reader that sees it sees the rest
+
+
+class Choice:
+    """The learner's choice for one request, made by the fast path (serve/fastpath.py),
+    which hands the request to read() with it, so that it is not chosen twice."""
+
+    __slots__ = ("came", "load", "path")
+
+    def __init__(self, path: str, load: int, came: float) -> None:
+        self.path, self.load, self.came = path, load, came
 
 
 def decide(table: tuple[int, ...], io_class: int, length: int) -> str:
@@ -131,9 +146,6 @@ class Dispatcher:
         self._pool: ClassPool | None = None
         self._shared_pool = shared_pool  # a many-export server's: () -> its one pool
         self._start_lock = threading.Lock()
-        # per thread: a learned request whose path the fast path chose and could not
-        # serve (the pool's, or a failed read): (offset, length, path, load, came)
-        self._handed: dict[int, tuple] = {}
 
     def start(self) -> ClassPool:
         """Create the pool (after nbdkit forked: threads do not survive a fork), or take
@@ -159,26 +171,21 @@ class Dispatcher:
             self.pinned = frozenset(pinned)
 
     def read(self, buf: memoryview, offset: int, io_class: int,
-             clock: list | None = None) -> None:
-        """clock: the connection's (Connection.clock), so that a learned request's cost is
-        its whole cycle as its client sees it (see learned); None: the request alone.
+             clock: Cycle | None = None, chosen: Choice | None = None) -> None:
+        """clock: the connection's Cycle, so that a learned request's cost is its whole
+        cycle as its client sees it (see learned); None: the request alone. chosen: the
+        fast path's choice for this request (None: choose here).
 
-        Every microsecond of Python here is one the client waits for (a 2 MiB request's
-        learned path took 28-37 µs more than a pinned one's, timed around it in the server,
-        where a loop of the same calls takes 4.4: caches gone cold while the workers hashed
-        and the thread slept). So a request records its connection's last learned sample
-        (learned) once its own path is chosen, and one sent to the pool does it while the
-        workers verify its chunks. A trial's runs alternate paths, so each run hands out
-        one request more, whose sample comes in the next run, on the other path, and is
-        not counted."""
+        Every microsecond of Python here is one the client waits for (decisions/learner.md),
+        so a request records its connection's last learned sample once its own path is
+        chosen, and one sent to the pool does it while the workers verify its chunks."""
         length = len(buf)
-        handed = self._handed.pop(get_ident(), None) if self._handed else None
-        if handed is not None and handed[0] == offset and handed[1] == length:
-            _, _, path, load, now = handed  # chosen by the fast path: not chosen twice
-            cycle = now if clock is not None and clock[0] else None
+        if chosen is not None:  # chosen by the fast path: not chosen twice
+            path, load, now = chosen.path, chosen.load, chosen.came
+            cycle = now if clock is not None and clock.started else None
         else:
             now = time.perf_counter()
-            cycle = now if clock is not None and clock[0] else None  # ends the last one's
+            cycle = now if clock is not None and clock.started else None  # ends the last
             path = decide(self.table, io_class, length)
             if io_class in self.pinned or length < LEARN_MIN:
                 self._timed(buf, offset, io_class, path, clock, None, cycle)
@@ -199,14 +206,7 @@ class Dispatcher:
             return
         self._timed(buf, offset, io_class, path, clock, (INLINE, load), cycle)
 
-    def hand_on(self, offset: int, length: int, path: str, load: int, came: float) -> None:
-        """The fast path chose a learned request's path (learn.py) and leaves it to read():
-        the pool's, or an inline read that failed there (fastpath.py). This thread's next
-        read() takes that choice instead of choosing again (a second choice would count
-        the request twice in its trial)."""
-        self._handed[get_ident()] = (offset, length, path, load, came)
-
-    def learned(self, clock: list, now: float) -> None:
+    def learned(self, clock: Cycle, now: float) -> None:
         """The connection's previous learned request, now that its next one has come: its
         cost is the time from its start to this one's (what its client waited for: the
         verification, the reply's copies out of nbdkit and into the client, and the next
@@ -216,16 +216,18 @@ class Dispatcher:
         CYCLE_GAP_S in between, or sent this one before the last had ended, the request
         alone is the sample. Requests the fast path answered in between (fastpath.py, which
         does not come here) count into the cycle."""
-        if not clock[0]:  # another request of the connection's took it (racy: rare)
+        started = clock.started
+        if not started:  # another request of the connection's took it (racy: rare)
             return
-        started, ended, length, (path, load), io_class = clock
-        clock[0] = 0.0
+        clock.started = 0.0
+        ended = clock.ended
         gap = now - ended
         seconds = now - started if 0 <= gap <= CYCLE_GAP_S else ended - started
-        self.learner.record(io_class, length, path, seconds, started, load)
+        self.learner.record(clock.io_class, clock.length, clock.path, seconds, started,
+                            clock.load)
 
     def _timed(self, buf: memoryview, offset: int, io_class: int, path: str,
-               clock: list | None = None, learn: tuple | None = None,
+               clock: Cycle | None = None, learn: tuple | None = None,
                cycle: float | None = None) -> None:
         """learn: the path the learner chose and the load it chose at, whose sample this
         is (the pool's choice includes its requests verified inline when no worker was
@@ -246,13 +248,13 @@ class Dispatcher:
             ended = time.perf_counter()
             self.stats.record(io_class, path, length, ended - started)
             if learn and clock is not None:  # a sample when the next request comes
-                clock[:] = [started, ended, length, learn, io_class]
+                clock.hold(started, ended, length, learn[0], learn[1], io_class)
             elif learn:
                 self.learner.record(io_class, length, learn[0], ended - started, started,
                                     learn[1])
 
     def _read_in_pool(self, buf: memoryview, offset: int, io_class: int,
-                      clock: list | None = None, cycle: float | None = None) -> None:
+                      clock: Cycle | None = None, cycle: float | None = None) -> None:
         """Split on block boundaries into chunks, verify them in parallel, wait for all.
         The first failing chunk's error (in offset order) is the request's error, as the
         inline path would have raised it first. clock and cycle: the connection's last

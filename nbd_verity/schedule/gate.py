@@ -1,38 +1,26 @@
 """The class gate: a request waits, before it does any work, while a better class is busy.
 
-Nice values (priority.py) rank the CPU and the pool's queue ranks chunks, but one server
-is one process: its connections share the GIL, the page cache's copies and the pool, and a
-bulk load of a worse class still takes them from a better class's small reads (measured,
-docs/benchmarks.md: a be reader's p99 16x its p99 alone beside an idle bulk load, with
-nice 19 and the ranked queue). So the server ranks whole requests too, as the block
-layer's schedulers do: idle is served only when nobody else wants the disk, and rt goes
-before be.
-
-- RANK (control/table.py): rt 0, be and none 1, idle 2, as the pool's queues.
+One server is one process: its connections share the GIL, the page cache's copies and the
+pool, so nice values and the pool's queue order alone let a worse class's bulk load take
+them from a better class's small reads. The gate ranks whole requests, as the block
+layer's schedulers do: idle is served only when nobody else wants the disk, rt before be.
+- RANK (ioclass.py): rt 0, be and none 1, idle 2.
 - A request waits at its start, with the GIL released (a condition variable), while a
   connection of a better rank has a request in flight or finished one less than QUIET_S
-  ago (a QD1 reader's next request follows its last within microseconds). Requests in
-  flight are never stopped; the pool's queue orders their chunks.
-- The bound: no request waits here longer than WAIT_S (1 s), however busy the better
-  classes stay. After that it runs, at its own class's CPU priority and queue rank, so
-  an idle load beside a constant be load still completes about one request per
-  connection per second. Nothing waits when no better class is connected: an idle load
-  alone runs as a be load does.
-- QUIET_S is 8 ms, as BFQ's slice_idle: how long the block layer waits for a sync
-  queue's next request before it serves another. NBD_VERITY_CLASS_PRIORITY=0 turns the
-  gate off with the nice values (priority.py): nothing is counted, nothing waits.
-- What it costs when it has nothing to rank: while the open connections are all of one
-  rank, `ranked` is False and the plugin does not call the gate at all (one attribute
-  read per request); otherwise a request of a rank with no better connection open and no
-  worse one to warn looks at two counts and takes no lock.
-
-Counts of open connections per rank change under the lock; the per-request path reads
-them without it (a stale count costs one request one needless look or one missed wait).
-A waiter looks again by itself (a better request's end wakes nobody): at the end of the
-quiet time, or, while better requests are in flight, after 8, 16, 32 then every 64 ms
-(each look takes the GIL, and a waiter runs at its class's nice: at nice 19 on a busy
-machine it may be slow to let go of it again). A closed better connection wakes the
-waiters at once.
+  (8 ms, as BFQ's slice_idle) ago. Requests in flight are never stopped.
+- The bound: no request waits here longer than WAIT_S (1 s); after that it runs, at its
+  own class's CPU priority and queue rank. Nothing waits when no better class is
+  connected: an idle load alone runs as a be load does.
+- When it has nothing to rank (the open connections all of one rank) `ranked` is False
+  and the plugin does not call it at all; NBD_VERITY_CLASS_PRIORITY=0 turns it off with
+  the nice values (priority.py).
+Locking: counts of open connections per rank change under the lock; the per-request path
+reads them without it (a stale count costs one request one needless look or one missed
+wait). A waiter looks again by itself (a better request's end wakes nobody): at the end
+of the quiet time, or, while better requests are in flight, after 8, 16, 32 then every
+64 ms. A closed better connection wakes the waiters at once.
+Why, with the figures (a be reader's p99 16x alone beside an idle load without it):
+docs/decisions/gate.md.
 """
 
 from __future__ import annotations

@@ -1,115 +1,29 @@
 """The inline-or-pool choice learned from live requests, per class, size and load.
 
-The start-up calibration (calibrate.py) times one request at a time on an idle server,
-and a start on a busy machine, or one core's neighbour at work, keeps what it measured
-then (measured: three starts on the same quiet machine chose 4 MiB, 4 MiB and all
-inline, minutes after one chose 256 KiB, while fio's 2 MiB reads from one client ran
-1009 MB/s on the pool and 760 inline). So for a class nobody pinned, a request of at
-least LEARN_MIN bytes takes the path a rule gives it, unless trials of both paths find
-the other clearly cheaper:
-
-- Requests are grouped by class, size bucket (powers of two: 512 KiB up to 1 MiB, ...
-  up to 32 MiB) and load: how many connections sent the last LOAD_LAST learned requests
-  within LOAD_S, this one's included (LOADS: 1, 2, 3-4, 5-8, 9-16 clients; counted
-  again LOAD_FRESH_S after the last count, or at once for a connection not in it).
-  Each load learns apart, so a change of load takes what that load learned before at once
-  (measured: one client's 2 MiB reads after four clients' stayed on the four clients'
-  inline for up to 4000 of 6000 requests, at 0.87 of the pool's throughput, while the
-  buckets were per size alone).
-- Only requests that span two pool chunks learn (LEARN_MIN, 512 KiB): a smaller one is one
-  task, which the pool verifies no faster than the connection's own thread, and its
-  trials start the pool's threads, which left the process slower for its life
-  (measured: 64 KiB random reads from eight clients, whose trials sent a few requests
-  to the pool, ran 0.944 of the baseline's throughput over 48 pairs; learning from
-  512 KiB, 1.000 over 24 pairs, and 1.048 times the 64 KiB learner's).
-- The rule (Learner.rule): the pool when it has idle workers (fewer
-  clients than workers) and the request spans two of them, inline when every worker
-  has a client; otherwise the table's path.
-- A request's cost is its cycle as its client sees it: from its start
-  to the start of the same connection's next request (dispatch.py, Dispatcher.learned),
-  in seconds per byte, under whatever load there is.
-- A trial is three runs: the chosen path, the other, the chosen again, each until it
-  has COUNT / 2, COUNT and COUNT / 2 samples counted, so that the chosen path's samples
-  come from before and after the other's, and a steady drift of the machine's speed
-  within the trial falls on both alike. A run does not count its first SKIP requests,
-  and the pool's runs after inline's not those that started in their first WARM_S (at
-  most their first SKIP_MAX): the pool taken after inline runs slower for a while
-  (measured on this 2-core VM, one client's 2 MiB reads, libnbd: the pool's in the
-  first 50 ms after 300 inline ones took 1.82-1.87 ms each, later ones 1.48-1.53; its
-  workers' CPUs had gone idle. With fio's client, trials that skipped 50-80 ms rated the
-  pool 1.02-1.14 times inline's cost while the pool served the same reads 27% faster;
-  skipping 150 ms, 0.57-0.68). Inline's run is no slower at first (its first 50 ms
-  after the pool's 1.52-1.56 ms each, later 1.58-1.66), and its WARM_S more on the path
-  not chosen were most of what a trial cost: with them not skipped, one client's 2 MiB
-  reads ran 0.981 of the same server pinned to the pool, 0.972 with them skipped (the
-  median of 8 rounds of fresh processes, 8 s of reads each).
-  A path's cost in a trial is the mean of its samples but the costliest TRIM share
-  (throughput is paid by the mean; the trim keeps a preempted request out), and the
-  trial's verdict the ratio of the pool's cost to inline's. The verdict is the ratio two
-  of the last TRIALS reach (their median; of two, the nearer 1 when both find the same
-  path cheaper, 1.0 when they disagree), and a lone trial never overturns the rule's path
-  (measured: one client's 2 MiB reads, the pool the rule's path; one server's first trial
-  rated the pool 2.1 times inline's cost, and ~1900 requests went inline, at 0.94 of all
-  pool for that round, until its next trial rated it 0.87); a trial that found the other
-  path cheaper but could not overturn it alone brings the next EXPLORE on, to confirm it
-  or not. The choice is inline over MARGIN, the pool under
-  1 / MARGIN, the rule's path in between: a trial rates the path it switches to worse
-  than a stream of it runs, even after WARM_S (measured: one client's 2 MiB reads,
-  trial verdicts 0.66-1.13 and one 1.68 while pinned all pool served them 13-29% faster
-  than all inline; with the line at 1, two of three phases of those reads ended inline,
-  at 0.77-0.89 of the best table). A
-  bucket takes the rule's path from its first request, and its first trial (the rule's
-  path as the chosen one) EXPLORE requests in; the next starts EXPLORE requests after
-  it, twice as many after each trial in a row that kept the path chosen before it (4096,
-  8192), up to EXPLORE_FAR, and EXPLORE_FAR at once when the last two trials both found
-  the same path over FAR times the other's cost (one alone may have been disturbed: a
-  trial that rated the pool 1.8 times inline's cost kept one client's 2 MiB reads inline,
-  at 0.8 of the pool's rate, for the rest of an 8 s run). Each trial serves a hundred
-  requests or more on the path not chosen and on the chosen one coming back (measured,
-  one client's 2 MiB reads, 8 rounds of fresh processes, 8 s of reads each, against the
-  same server pinned to the pool: a first trial at once and early ones 0.958 and 0.974
-  in two probes, the first EXPLORE in 0.972 and 0.978, no trials 0.987 and 0.996).
-  While trials are more than EXPLORE apart, the chosen path's last WINDOW requests are
-  watched: when their median costs over FAR times or under 1 / FAR times what the path
-  did in the trials, and still does WATCH_S later, the load changed, and the next trial
-  comes EXPLORE requests after the last one, the doubling starting again (measured: four
-  clients' 2 MiB reads rated the pool 1.5 times inline's cost, at 2000 us per MiB
-  inline; then one client's ran inline at 880, and the pool's were 10-25% cheaper), so
-  a change of load moves the choice within a few thousand requests. A shorter burst is
-  not a change of load (measured: in 8 s of one client's 2 MiB reads the watch of the
-  median alone brought an early trial in each of 11 processes, on bursts of requests at
-  3 to 4 times their cost, CPU steal or a neighbour; held for a second, none in eight).
-  A pause of QUIET_S starts the watch afresh: a client that stops and starts again is
-  not a held change of load (measured: eight clients' 512 KiB reads in the bench's 1 s
-  slices, seconds apart, brought 3-10 early trials per process in 24 s of reads with
-  the spell kept across pauses, none without).
-- Why trials, not the cost of each path's latest requests: the machine's speed drifts
-  from second to second (CPU steal from other guests comes in bursts of seconds: one
-  second of one client's 2 MiB reads ran 316 MB/s, the next 1230 on the same path),
-  and the path taken now and then pays more than the path taken all the time (measured
-  on this 2-core VM: 2 MiB requests on the pool took 1.1-1.2 ms each in a stream of
-  pool requests, 1.4-2.2 ms when one in sixteen took it; likely because its workers'
-  CPUs had gone idle, not measured apart). Comparing the latest samples of each path,
-  taken at different moments and one path cold, kept one client's 2 MiB reads 40% on
-  the slower path. Trials of one short run of each path back to back (32 requests, the
-  first 4 not counted) measured the pool while it was still slow, and kept the same
-  reads at 0.75-0.9 of the pool's throughput. The runs around the other see the same
-  moments, the skipped samples pay for a path's cold start, ratios within a trial do
-  not mix one trial's machine speed with another's, and the median over trials keeps
-  one disturbed trial from moving the choice. Why the cycle, not the time inside the
-  server: one client's 2 MiB reads took 20% longer on the pool timed inside, and were
-  8% faster on it as the client saw them.
-- The load rule of dispatch.py still applies on top: a request that should take the pool
-  is verified inline when no worker is free (`busy_inline`). Such a request is still a
-  sample of the pool's run: choosing the pool gets the client that mix (four clients'
-  2 MiB reads: the pool's requests that found a worker rated it 0.97 of inline's cost,
-  and the default ran at 0.94 of all inline).
-
-What was learned is in `ctl stats` and `ctl thresholds` (`learned`: per class the
-buckets with their microseconds per MiB on each path over the last trials, the verdict
-and the choice, and the smallest size the pool is chosen for). Explicit thresholds pin
-their class: the table alone decides, exactly. Updates take no lock: under a race a
-sample or a request of a run may be lost, which costs the trial one sample.
+For a class nobody pinned, a request of at least LEARN_MIN bytes (two pool chunks: a
+smaller one gets nothing from the pool but its hand-off) takes the path a rule gives it,
+unless trials of both paths find the other clearly cheaper; smaller requests and pinned
+classes follow the table alone (dispatch.py).
+- Rows: per class, size bucket (powers of two, 512 KiB up to 32 MiB) and load: how many
+  connections sent the last LOAD_LAST learned requests within LOAD_S (LOADS), so that a
+  change of load takes what that load learned before at once.
+- The rule (Learner.rule): the pool while there are fewer clients than workers and the
+  request spans two chunks, inline when every worker has a client.
+- A request's cost is its cycle as its client sees it, from its start to the start of
+  the same connection's next request (dispatch.Cycle), in seconds per byte.
+- A trial is three runs: the chosen path, the other, the chosen again (COUNT / 2, COUNT,
+  COUNT / 2 samples), each run's first SKIP requests not counted, nor the pool's first
+  WARM_S after inline's. A run's cost is its mean without the costliest TRIM share; the
+  verdict is the pool/inline ratio two of the last TRIALS reach; the choice turns over
+  MARGIN either way, and a lone trial never overturns the rule's path.
+- Trials come EXPLORE requests apart, twice as far after each that kept the choice, up
+  to EXPLORE_FAR. Between them the chosen path's last WINDOW costs are watched: when
+  their median stays over FAR times off the trials' for WATCH_S, the next trial comes
+  sooner (a pause of QUIET_S starts the watch afresh).
+Invariants: the learner only chooses and records; dispatch.py serves. What it learned
+is in `ctl stats` (`learned`). Locking: none; under a race a sample or a run's request
+may be lost, which costs a trial one sample.
+Why each rule and constant (every figure as measured): docs/decisions/learner.md.
 """
 
 from __future__ import annotations

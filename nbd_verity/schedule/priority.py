@@ -8,9 +8,9 @@ class, rt before be before idle, as the kernel's block schedulers serve them.
 - NICE per class: rt -10, be and none 0, idle 19. Raising a thread above nice 0 needs
   CAP_SYS_NICE or an RLIMIT_NICE that allows it (the units grant LimitNICE=+0; rt's
   -10 takes a LimitNICE=-10 drop-in, docs/systemd.md): without it rt runs at 0,
-  logged once, and still goes first in the pool's queue; lowering works as any user, but a thread lowered cannot come back without the
-  same privilege, so unprivileged pool workers stay at 0 for every class (queue order
-  still ranks them).
+  logged once, and still goes first in the pool's queue; lowering works as any user,
+  but a thread lowered cannot come back without the same privilege, so unprivileged
+  pool workers stay at 0 for every class (queue order still ranks them).
 - Alone, idle is not lowered: an idle thread runs at nice 19 only while the server has
   connections of another rank open (the class gate's `ranked`, which follow() hands
   here), and at the server's own (ALONE_NICE) otherwise, as the gate makes nothing wait

@@ -305,10 +305,11 @@ def pread(h, buf, offset, flags):
             priority.refusal(h.io_class, refused, nice)
     if ranked:  # the gate may make it wait, or count it (schedule/gate.py)
         problem = _ranked_read(h, buf, offset)
-    elif h.fast(buf, offset):  # the common request, in one frame more (serve/fastpath.py)
-        return
     else:
-        problem = _read(h, buf, offset)
+        chosen = h.fast(buf, offset)  # the common request, in one frame more (fastpath.py)
+        if chosen is True:
+            return
+        problem = _read(h, buf, offset, chosen)
     if problem is not None:
         with _failed_lock:
             _failed_reads[0] += 1
@@ -320,18 +321,20 @@ def _ranked_read(h, buf, offset):
     while a better class is busy, and is counted while a worse one watches it."""
     counted = _gate.enter(h.io_class)
     try:
-        return None if h.fast(buf, offset) else _read(h, buf, offset)
+        chosen = h.fast(buf, offset)
+        return None if chosen is True else _read(h, buf, offset, chosen)
     finally:
         if counted:
             _gate.leave(h.io_class)
 
 
-def _read(h, buf, offset):
-    """Verify into buf; None, or (errno, message) for a request that fails."""
+def _read(h, buf, offset, chosen=None):
+    """Verify into buf (chosen: the fast path's dispatch.Choice for it, or None); None, or
+    (errno, message) for a request that fails."""
     if len(buf) > MAX_REQUEST_SIZE:  # nbdkit 1.32 does not enforce block_size's maximum
         return errno.EINVAL, f"read of {len(buf)} bytes exceeds the maximum {MAX_REQUEST_SIZE}"
     try:
-        h.read(memoryview(buf), offset)
+        h.read(memoryview(buf), offset, chosen)
     except CorruptionError as e:
         if h.device.config.mode == RESTART_ON_CORRUPTION:
             _restart()

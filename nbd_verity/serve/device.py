@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from ..control.protocol import Control
 from ..control.server import ControlServer
-from ..control.table import CALIBRATED, preset, table_dict, updated_table
+from ..control.table import loaded, table_dict
 from ..errors import ConfigError, CorruptionError, ImageIOError
 from ..format.areas import check_layout
 from ..format.blocks import block_span
@@ -23,12 +23,11 @@ from ..format.params import load_params
 from ..format.roothash import root_digest
 from ..ioclass import CLASSES, class_index, connection_class
 from ..log import log
-from ..prepare.config import ServerConfig, parse_size
+from ..prepare.config import ServerConfig, explicit_thresholds
 from ..read.cache import HashBlockCache
 from ..read.readahead import Readahead
 from ..read.verifier import Verifier, VerifyOptions
-from ..schedule.calibrate import Calibration, calibrate_apart
-from ..schedule.dispatch import Dispatcher
+from ..schedule.dispatch import Cycle, Dispatcher
 from ..schedule.gate import gate
 from ..sources.remote import is_uri, open_source
 from ..trust.root import TrustedRoot, resolve_root
@@ -95,13 +94,9 @@ class Device:
         except CorruptionError as e:
             raise ConfigError(f"root-hash: does not match the top of the tree ({e}): wrong "
                               f"root hash, or a corrupted hash image") from None
-        self._explicit = {name: _threshold_value(name, value)  # --threshold: always wins
-                          for name, value in config.thresholds.items()}
-        table = updated_table(preset(config.threshold_preset), self._explicit)
-        self.calibration: Calibration | None = None  # start_threads measures `default`
+        self.explicit = explicit_thresholds(config)  # --threshold: always wins
+        table, pinned = loaded(config.threshold_preset, self.explicit)
         self.default_class = class_index(config.default_class, "default-class")
-        pinned = (self.explicit_classes() if config.threshold_preset == CALIBRATED
-                  else frozenset(range(len(CLASSES))))  # a fixed preset: the table decides
         self.dispatcher = (
             Dispatcher(self.verifier.read, self.geo.data_block_size, table, config.workers,
                        pinned=pinned)
@@ -118,30 +113,10 @@ class Device:
         self.started = time.monotonic()
 
     def start_threads(self) -> None:
-        """Start the pool and the control thread (in nbdkit's after_fork); measure the
-        `default` table first (calibrate.py, in a forked child), unless every class is
-        set explicitly."""
-        if self.shared is None and (self.config.threshold_preset == CALIBRATED
-                and len(self._explicit) < len(CLASSES)):  # before any thread of ours
-            self.calibration = calibrate_apart(self.verifier.digester,
-                                               self.geo.data_block_size,
-                                               self.dispatcher.workers)
-            self.dispatcher.set_table(self.preset_table(CALIBRATED))
+        """Start the pool and the control thread (in nbdkit's after_fork)."""
         self.dispatcher.start()
         if self.control is not None:
             self.control.start()
-
-    def explicit_classes(self) -> frozenset:
-        """The classes given --threshold: pinned whatever preset is loaded."""
-        return frozenset(class_index(name) for name in self._explicit)
-
-    def preset_table(self, name: str) -> tuple[int, ...]:
-        """A preset's table here: `default` is what start-up measured (where it did),
-        with the explicit thresholds over it."""
-        if name == CALIBRATED and self.calibration is not None:
-            return updated_table((self.calibration.threshold,) * len(CLASSES),
-                                 self._explicit)
-        return preset(name)
 
     def _check_sizes(self) -> None:
         """Refuse images smaller than the geometry at start-up (later truncation → EIO)."""
@@ -171,11 +146,8 @@ class Device:
                 "learned": self.dispatcher.learner.snapshot(),
                 "class_gate": gate.snapshot(),  # the server's, shared by its exports
                 "chunk_size": self.dispatcher.chunk_size, "fast_path": self.fast_path,
-                "kept_thread_states": threadstate.kept(), "calibration": self.calibration_dict(),
+                "kept_thread_states": threadstate.kept(),
                 "nbdkit": version_text(nbdkit_version())}  # the nbdkit running us
-
-    def calibration_dict(self) -> dict | None:
-        return None if self.calibration is None else self.calibration.as_dict()
 
     def source_counters(self) -> dict:
         """source_errors and reconnects, summed over the NBD sources (0 for files)."""
@@ -242,11 +214,6 @@ def trusted_root(config: ServerConfig) -> TrustedRoot:
                         config.require_signatures)
 
 
-def _threshold_value(name: str, text) -> int:
-    """A threshold from a key or option: bytes, with an optional K/M suffix."""
-    return parse_size(f"threshold {name}", text) if isinstance(text, str) else text
-
-
 class Connection:
     """Per-client state: its I/O class, its Merkle readahead (readahead.py) and its fast
     path (fastpath.py: fast(buf, offset) answers the common request, or returns False)."""
@@ -256,8 +223,8 @@ class Connection:
         self.io_class = device.default_class if io_class is None else io_class
         self.readahead = (Readahead(device.verifier, device.config.readahead_min_size)
                           if device.readahead else None)
-        self.clock = [0.0, 0.0, 0, None, 0]  # its last learned request (Dispatcher.read)
-        self.fast = fastpath.bind(self)  # after clock, which it holds
+        self.cycle = Cycle()  # its last learned request (Dispatcher.read)
+        self.fast = fastpath.bind(self)  # after cycle, which it holds
 
     @classmethod
     def open(cls, device: Device) -> Connection:
@@ -267,15 +234,16 @@ class Connection:
                                     device.default_class, hooks.may_name)
         return cls(device, io_class)
 
-    def read(self, buf: memoryview, offset: int) -> None:
-        """Verified read of len(buf) bytes at offset, with Merkle readahead."""
+    def read(self, buf: memoryview, offset: int, chosen=None) -> None:
+        """Verified read of len(buf) bytes at offset, with Merkle readahead; chosen: the
+        fast path's dispatch.Choice for it, or None."""
         device = self.device
         if len(buf) == 0:
             return
         if self.readahead is not None:
             self.readahead.before_read(offset, len(buf))
         try:
-            device.dispatcher.read(buf, offset, self.io_class, self.clock)
+            device.dispatcher.read(buf, offset, self.io_class, self.cycle, chosen)
         except ImageIOError as e:
             device.verifier.counters.add(io_errors=1)
             log(str(e))

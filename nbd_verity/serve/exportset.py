@@ -37,14 +37,13 @@ from concurrent.futures import Future, wait
 from dataclasses import dataclass, field, replace
 
 from ..control.exports import RELOAD_DEADLINE_S
-from ..control.table import CALIBRATED, preset, table_dict, updated_table
+from ..control.table import loaded, table_dict
 from ..errors import ConfigError, VerityError
-from ..ioclass import CLASSES, class_index
+from ..ioclass import class_index
 from ..log import log
-from ..prepare.config import ServerConfig, config_from_pairs, parse_size
+from ..prepare.config import ServerConfig, config_from_pairs, explicit_thresholds
 from ..prepare.exportfile import ExportFile, export_files, read_export_file
 from ..prepare.keys import image_pairs
-from ..schedule.calibrate import calibrate_apart
 from ..schedule.pool import ClassPool
 from ..sources.remote import redact_text
 from ..sources.upstream import stop_upstreams
@@ -163,7 +162,7 @@ def _run(future: Future, gate, function, args) -> None:
             return
         try:
             future.set_result(function(*args))
-        except BaseException as e:  # noqa: BLE001 - handed to the reload as its reason
+        except BaseException as e:
             future.set_exception(e)
 
 
@@ -202,16 +201,10 @@ class ExportSet:
         self.refused: dict[str, str] = {}  # file -> why, from the last (re)load
         self._lock = threading.RLock()  # the map's swap, connection counts, _retired
         self._reloading = threading.Lock()  # one reload at a time (never held by open())
-        self._explicit = {name: parse_size(f"threshold {name}", value)
-                          for name, value in config.thresholds.items()}
-        self.dispatcher = TableOfAll(self, updated_table(preset(config.threshold_preset),
-                                                         self._explicit),
-                                     self.explicit_classes()
-                                     if config.threshold_preset == CALIBRATED
-                                     else frozenset(range(len(CLASSES))))
+        self.explicit = explicit_thresholds(config)  # --threshold: always wins
+        self.dispatcher = TableOfAll(self, *loaded(config.threshold_preset, self.explicit))
         self.workers = config.workers or os.cpu_count() or 1
         self._pool: ClassPool | None = None
-        self.calibration = None
         self.default_class = class_index(config.default_class, "default-class")
         self.started = time.monotonic()
         self.control = None
@@ -230,28 +223,10 @@ class ExportSet:
             return self._pool
 
     def start_threads(self) -> None:
-        """After nbdkit's fork: measure the `default` table, start the control thread."""
-        exports = list(self._exports.values())
-        if (self.config.threshold_preset == CALIBRATED and exports
-                and len(self._explicit) < len(CLASSES)):
-            device = exports[0].device
-            self.calibration = calibrate_apart(device.verifier.digester,
-                                               device.geo.data_block_size, self.workers)
-            self.dispatcher.set_table(self.preset_table(CALIBRATED))
+        """After nbdkit's fork: start the control thread (the pool starts at its first
+        chunk)."""
         if self.control is not None:
             self.control.start()
-
-    def explicit_classes(self) -> frozenset:
-        return frozenset(class_index(name) for name in self._explicit)
-
-    def preset_table(self, name: str) -> tuple[int, ...]:
-        if name == CALIBRATED and self.calibration is not None:
-            return updated_table((self.calibration.threshold,) * len(CLASSES),
-                                 self._explicit)
-        return preset(name)
-
-    def calibration_dict(self) -> dict | None:
-        return None if self.calibration is None else self.calibration.as_dict()
 
     def open(self, export_name: str) -> Connection:
         """A connection to the export export_name names (NAME or NAME@CLASS)."""
@@ -471,7 +446,6 @@ class ExportSet:
     def stats(self) -> dict:
         return {"exports": {name: e.device.stats() for name, e in sorted(self._exports.items())},
                 "thresholds": table_dict(self.dispatcher.table), "workers": self.workers,
-                "calibration": self.calibration_dict(),
                 "nbdkit": version_text(nbdkit_version())}  # the nbdkit running us
 
     def reset_stats(self) -> None:

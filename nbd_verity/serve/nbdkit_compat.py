@@ -2,32 +2,31 @@
 
 Two defects of nbdkit 1.32 (Debian 12's 1.32.5), found in its source:
 
-1. **The disconnect race** (server/connections.c raw_send_socket, 1.32.4 to 1.33.9; fixed
-   in 1.34.0, commit 9d82aa4f). In the PARALLEL thread model, when a client disconnects
-   with two or more requests in flight, one worker closes the socket after EPIPE while
-   another still sends on it: `Assertion 'sock >= 0' failed`, and the whole server aborts.
-   Every serialised model runs one worker per connection and cannot hit it, so the
-   default thread model is SERIALIZE_REQUESTS (config.THREAD_MODELS).
+1. **The disconnect race** (server/connections.c raw_send_socket, 1.32.4 to 1.33.9; fixed in
+   1.34.0, commit 9d82aa4f). In the PARALLEL thread model, when a client disconnects with two or
+   more requests in flight, one worker closes the socket after EPIPE while another still sends
+   on it: `Assertion 'sock >= 0' failed`, and the whole server aborts. Every serialised model
+   runs one worker per connection and cannot hit it, so the default thread model is
+   SERIALIZE_REQUESTS (config.THREAD_MODELS).
 
-2. **The failed-callback leak** (plugins/python/errors.c check_python_failure, read in
-   1.32.5 and up to 1.33.11; nbdkit 1.42.3, Debian 13's, still has it: measured, every
-   failed callback's exception stays alive): PyErr_Fetch's three references (type,
-   exception, traceback) are never released, so each failed request keeps its
-   exception, its traceback and every frame of it with all their locals (buffers, hash
-   blocks) alive forever: about 4 KB per failed read for us. `FailureRaiser` makes the
-   exception nbdkit sees cheap and gives the references back:
-   - it is raised fresh, outside any `except` block (no __context__ chain), from a frame
-     that holds nothing but the request's arguments;
-   - nbdkit formats it with traceback.format_exception, called from C (no Python frame
-     above it): our formatter recognises the exception this thread just raised, returns
-     its message as one line, and, where nbdkit keeps the references, releases the three
-     with Py_DecRef (0 bytes per failure, measured over 20,000);
-   - whether nbdkit keeps them is known for the versions read (1.32.0 to 1.33.11) and
-     found out on any other: a thread's first failure only has its frames cleared and is
-     watched through a weak reference; at that thread's next failure its callback has
-     long returned, so the exception is alive only if nbdkit kept it. Kept: release from
-     then on (the first stays, one per thread). Freed: never release (a release there
-     would free what nbdkit frees too).
+2. **The failed-callback leak** (plugins/python/errors.c check_python_failure, read in 1.32.5
+   and up to 1.33.11; nbdkit 1.42.3, Debian 13's, still has it: measured, every failed
+   callback's exception stays alive): PyErr_Fetch's three references (type, exception,
+   traceback) are never released, so each failed request keeps its exception, its traceback and
+   every frame of it with all their locals (buffers, hash blocks) alive forever: about 4 KB per
+   failed read for us. `FailureRaiser` makes the exception nbdkit sees cheap and gives the
+   references back:
+   - it is raised fresh, outside any `except` block (no __context__ chain), from a frame that
+     holds nothing but the request's arguments;
+   - nbdkit formats it with traceback.format_exception, called from C (no Python frame above
+     it): our formatter recognises the exception this thread just raised, returns its message as
+     one line, and, where nbdkit keeps the references, releases the three with Py_DecRef (0
+     bytes per failure, measured over 20,000);
+   - whether nbdkit keeps them is known for the versions read (1.32.0 to 1.33.11) and found out
+     on any other: a thread's first failure only has its frames cleared and is watched through a
+     weak reference; at that thread's next failure its callback has long returned, so the
+     exception is alive only if nbdkit kept it. Kept: release from then on (the first stays, one
+     per thread). Freed: never release (a release there would free what nbdkit frees too).
 """
 
 from __future__ import annotations

@@ -1,36 +1,32 @@
 """Image bytes from an NBD server (nbd://, nbds://, nbd+unix://), and the one factory that
 opens a data or hash source from its text (open_source): a URI, or a local path.
 
-Everything read here is untrusted, like a local file: the verifier checks it before any
-byte is served. What this module adds is the failure model of a network:
-- a read goes straight into the caller's buffer (nbd.Buffer.from_buffer shares the
-  memoryview: no copy) with libnbd's asynchronous pread, and the GIL is released while
-  libnbd waits (its bindings release it in every call);
-- a read that fails, times out or finds the connection dropped raises ImageIOError (the
-  plugin's EIO for that request only); a dropped or timed-out connection is closed and
-  the next read opens a new one (`reconnects`); both are counted for `ctl stats`;
-- a connection whose server answers ESHUTDOWN (an nbdkit stopping on SIGTERM answers
-  every request so, and cannot exit while we hold the connection) is dead too: it is
-  closed, and the read is tried once more on a new connection, so a server restarted
-  on the same socket serves the very next read;
-- connecting has the same deadline as a read (a listener that accepts but never
-  speaks fails that read with EIO), and every wait is cut into POLL_SLICE_MS slices
-  after each of which `stopping()` is asked (the plugin passes one that asks nbdkit
-  whether it is shutting down or the client has gone), so SIGTERM stops the server
-  promptly whatever the upstream does;
-- parallel requests use a pool of connections, each carrying one request at a time and
-  opened only when requests overlap, up to DEFAULT_CONNECTIONS, but only if the upstream
-  advertises multi-conn (NBD_FLAG_CAN_MULTI_CONN); otherwise one connection, which
-  requests take in turn. The bound is nbdkit's default of 16 threads per client: a handle
-  per busy thread, none for idle ones (docs/benchmarks.md, "Connections to an NBD
-  source", has the measurements);
-- a connection idle for IDLE_S is closed (by a thread of the pool's, started with the
-  first read in the process that serves): an upstream stopped with SIGTERM while nobody
-  read cannot exit while we hold its connection, and one that is not stopping costs a
-  handshake at the next read.
-
-The pool's lock guards the idle list, the number of open connections and the counters;
-it is never held during I/O.
+Everything read here is untrusted, like a local file: the verifier checks it before any byte is
+served. What this module adds is the failure model of a network:
+- a read goes straight into the caller's buffer (nbd.Buffer.from_buffer shares the memoryview:
+  no copy) with libnbd's asynchronous pread, and the GIL is released while libnbd waits (its
+  bindings release it in every call);
+- a read that fails, times out or finds the connection dropped raises ImageIOError (the plugin's
+  EIO for that request only); a dropped or timed-out connection is closed and the next read
+  opens a new one (`reconnects`); both are counted for `ctl stats`;
+- a connection whose server answers ESHUTDOWN (an nbdkit stopping on SIGTERM answers every
+  request so, and cannot exit while we hold the connection) is dead too: it is closed, and the
+  read is tried once more on a new connection, so a server restarted on the same socket serves
+  the very next read;
+- connecting has the same deadline as a read (a listener that accepts but never speaks fails
+  that read with EIO), and every wait is cut into POLL_SLICE_MS slices after each of which
+  `stopping()` is asked (the plugin passes one that asks nbdkit whether it is shutting down or
+  the client has gone), so SIGTERM stops the server promptly whatever the upstream does;
+- parallel requests use a pool of connections, each carrying one request at a time and opened
+  only when requests overlap, up to DEFAULT_CONNECTIONS, but only if the upstream advertises
+  multi-conn (NBD_FLAG_CAN_MULTI_CONN); otherwise one connection, which requests take in turn.
+  The bound is nbdkit's default of 16 threads per client: a handle per busy thread, none for
+  idle ones (docs/benchmarks.md, "Connections to an NBD source", has the measurements);
+- a connection idle for IDLE_S is closed (by a thread of the pool's, started with the first read
+  in the process that serves): an upstream stopped with SIGTERM while nobody read cannot exit
+  while we hold its connection, and one that is not stopping costs a handshake at the next read.
+The pool's lock guards the idle list, the number of open connections and the counters; it is
+never held during I/O.
 """
 
 from __future__ import annotations

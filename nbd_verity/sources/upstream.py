@@ -1,33 +1,32 @@
 """Captive upstream servers for `nbd-verity serve https://...` and `s3://...`.
 
-Our Python plugin cannot speak HTTP or S3 itself, and cannot stack nbdkit's C filters on
-top of its own sources, so `serve` starts one nbdkit per remote image first, with
-nbdkit's own `curl` (or `S3`) plugin, its `retry` filter and, when asked, its `cache`
-filter, on a private Unix socket, and gives the verifying server an nbd+unix:// URI
-instead of the URL. Everything below our verification is untrusted, the cache included:
-a cache below the trust boundary is safe (a wrong byte in it is caught like a wrong byte
-on the server), one above it would not be.
+Our Python plugin cannot speak HTTP or S3 itself, and cannot stack nbdkit's C filters on top of
+its own sources, so `serve` starts one nbdkit per remote image first, with nbdkit's own `curl`
+(or `S3`) plugin, its `retry` filter and, when asked, its `cache` filter, on a private Unix
+socket, and gives the verifying server an nbd+unix:// URI instead of the URL. Everything below
+our verification is untrusted, the cache included: a cache below the trust boundary is safe (a
+wrong byte in it is caught like a wrong byte on the server), one above it would not be.
 
-Lifetime: each upstream runs with `--exit-with-parent` (prctl PR_SET_PDEATHSIG), started
-by the `serve` process just before it execs nbdkit. The death signal follows the parent
-*process* across execve (exec keeps the pid, and the kernel sends it when the parent
-thread that forked the child exits, here the main thread, which is the one that execs),
-so the upstreams stop when the verifying nbdkit stops, whatever stops it. The sockets
-live in a private 0700 directory (tempfile.mkdtemp) under $RUNTIME_DIRECTORY (systemd's
-RuntimeDirectory=, removed with the unit) or $TMPDIR; nbdkit removes its socket and pid
-file when it exits, the empty directory stays behind outside systemd.
+Lifetime: each upstream runs with `--exit-with-parent` (prctl PR_SET_PDEATHSIG), started by the
+`serve` process just before it execs nbdkit. The death signal follows the parent *process*
+across execve (exec keeps the pid, and the kernel sends it when the parent thread that forked
+the child exits, here the main thread, which is the one that execs), so the upstreams stop when
+the verifying nbdkit stops, whatever stops it. The sockets live in a private 0700 directory
+(tempfile.mkdtemp) under $RUNTIME_DIRECTORY (systemd's RuntimeDirectory=, removed with the unit)
+or $TMPDIR; nbdkit removes its socket and pid file when it exits, the empty directory stays
+behind outside systemd.
 
-Secrets never go on a command line (/proc/PID/cmdline is readable by every user): a
-captive's argv holds the URL without its user part's password and without its query.
-- `http://user:password@host/path`: curl gets `url=http://host/path`, `user=user` (a name,
-  not a secret) and `password=+FILE`;
-- a URL with a query (a presigned URL's token or signature): nbdkit 1.32 reads no plugin
-  key but a password from a file, so such a URL is read by our own small plugin,
-  httpread.py, which takes the whole URL as `url-file=FILE`;
-- s3:// credentials come from the environment or a credentials file (s3.py).
-FILE is 0600 in the private directory; both plugins read it once, at config time, so it
-is removed as soon as the upstream is ready (or has failed to start). Every message
-names URLs through redact(): no password and no query.
+Secrets never go on a command line (/proc/PID/cmdline is readable by every user): a captive's
+argv holds the URL without its user part's password and without its query.
+- `http://user:password@host/path`: curl gets `url=http://host/path`, `user=user` (a name, not a
+  secret) and `password=+FILE`;
+- a URL with a query (a presigned URL's token or signature): nbdkit 1.32 reads no plugin key but
+  a password from a file, so such a URL is read by our own small plugin, httpread.py, which
+  takes the whole URL as `url-file=FILE`;
+- s3:// credentials come from the environment or a credentials file (s3.py). FILE is 0600 in the
+  private directory; both plugins read it once, at config time, so it is removed as soon as the
+  upstream is ready (or has failed to start). Every message names URLs through redact(): no
+  password and no query.
 """
 
 from __future__ import annotations
@@ -256,7 +255,7 @@ class _Spawner:
             argv, env, done = jobs.get()
             try:
                 done.set_result(_Spawner._popen(argv, env))
-            except BaseException as e:  # noqa: BLE001 - raised in the caller's thread
+            except BaseException as e:
                 done.set_exception(e)
 
 

@@ -27,14 +27,14 @@ def server(module_servers, image):
 
 def table_lines(stdout: str, pinned: tuple[str, ...] = ()) -> dict:
     """`ctl thresholds` prints one "CLASS VALUE" line per class, in class order, with
-    "(pinned)" after the pinned ones, then how start-up calibrated the default table (and
-    what was learned, once requests of 512 KiB or more came: none here)."""
+    "(pinned)" after the pinned ones (then what was learned, once requests of 512 KiB or
+    more came: none here)."""
     lines = stdout.strip().splitlines()
     rows = [line.split() for line in lines[:len(CLASSES)]]
     assert [r[0] for r in rows] == list(CLASSES), stdout
     assert [r[0] for r in rows if r[2:] == ["(pinned)"]] == list(pinned), stdout
     rest = lines[len(CLASSES):]
-    assert len(rest) == 1 and rest[0].startswith("calibrated at start-up in "), stdout
+    assert rest == [], stdout
     return {r[0]: int(r[1]) for r in rows}
 
 
@@ -65,8 +65,7 @@ def test_thresholds_show_set_and_preset(server):
     kernel = ctl(server.control, "thresholds", "--preset", "kernel", "--json")
     assert kernel.returncode == 0, kernel.stderr
     reply = json.loads(kernel.stdout)
-    assert reply["ok"] is True and sorted(reply) == ["calibration", "learned", "ok",
-                                                     "pinned", "thresholds"]
+    assert reply["ok"] is True and sorted(reply) == ["learned", "ok", "pinned", "thresholds"]
     assert reply["thresholds"] == {"none": 8192, "rt": 8192, "be": 8192, "idle": 0}
     assert reply["pinned"] == list(CLASSES)  # a fixed preset: the table alone decides
     assert server.thresholds() == reply["thresholds"]

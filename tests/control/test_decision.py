@@ -49,7 +49,8 @@ def test_decide(table, io_class, size, path):
 
 
 def test_presets_are_the_documented_tables():
-    assert tables.preset("default") == tables.preset("fixed") == (1 << 20,) * 4
+    assert tables.preset("default") == (dispatch.POOL_CHUNK_SIZE,) * 4  # one pool chunk
+    assert tables.preset("fixed") == (1 << 20,) * 4
     assert tables.preset("seed") == (4096, 4096, 4096, 4096)
     assert tables.preset("kernel") == (8192, 8192, 8192, 0)
 

@@ -19,6 +19,7 @@ from nbd_verity.errors import CorruptionError, VerityError
 from nbd_verity.format import digest
 from nbd_verity.ioclass import CLASSES
 from nbd_verity.prepare.config import config_from_pairs
+from nbd_verity.schedule.dispatch import Choice
 from nbd_verity.serve.device import Connection, Device
 from nbd_verity.serve.fastpath import SAMPLE_EVERY, never
 
@@ -70,7 +71,9 @@ def requests(seed: int, size: int, count: int = 400) -> list[tuple[int, int]]:
 def outcome(conn: Connection, offset: int, length: int):
     buf = bytearray(length)
     try:
-        conn.read(memoryview(buf), offset) if not conn.fast(buf, offset) else None
+        chosen = conn.fast(buf, offset)
+        if chosen is not True:  # the general path, with the fast path's choice if any
+            conn.read(memoryview(buf), offset, chosen)
     except VerityError as e:
         return type(e).__name__, str(e)
     return bytes(buf)
@@ -113,7 +116,7 @@ def test_the_fast_path_answers_only_the_common_request(default_image, monkeypatc
     try:
         conn = Connection(dev)
         buf = bytearray(4096)
-        assert not conn.fast(buf, 0)  # leaf 0 not cached yet
+        assert conn.fast(buf, 0) is None  # leaf 0 not cached yet
         conn.read(memoryview(buf), 0)  # the general path caches it
         for offset, length, taken in [
             (0, 4096, True), (4096 * 127, 4096, True), (0, LEAF_SPAN, True),
@@ -123,11 +126,11 @@ def test_the_fast_path_answers_only_the_common_request(default_image, monkeypatc
             (LEAF_SPAN, 4096, False),  # leaf 1: not cached
         ]:
             data = bytearray(length)
-            assert conn.fast(data, offset) == taken, (offset, length)
+            assert (conn.fast(data, offset) is True) == taken, (offset, length)
             if taken:
                 assert data == default_image.expected(offset, length)
         dev.dispatcher.set_table((4095,) * 4)  # over its class's threshold: the pool's
-        assert not conn.fast(bytearray(4096), 0)
+        assert conn.fast(bytearray(4096), 0) is None
     finally:
         dev.close()
 
@@ -171,14 +174,16 @@ def test_a_learned_request_takes_the_fast_path_when_its_choice_is_inline(default
         a, b = Connection(dev), Connection(dev)
         a.read(memoryview(bytearray(4096)), 0)  # the general path caches leaf 0
         buf = bytearray(LEAF_SPAN)
-        assert not a.fast(buf, 0)  # one client: the pool's
-        a.read(memoryview(buf), 0)
+        chosen = a.fast(buf, 0)  # one client: the pool's, the choice handed on
+        assert isinstance(chosen, Choice) and chosen.path == "pool", chosen
+        a.read(memoryview(buf), 0, chosen)
         assert buf == default_image.expected(0, LEAF_SPAN)
         for conn in (b, a) * 5:  # two clients: inline
             buf = bytearray(LEAF_SPAN)
-            assert conn.fast(buf, 0)
+            assert conn.fast(buf, 0) is True
             assert buf == default_image.expected(0, LEAF_SPAN)
-            assert conn.clock[2:4] == [LEAF_SPAN, ("inline", 1)]
+            cycle = conn.cycle
+            assert (cycle.length, cycle.path, cycle.load) == (LEAF_SPAN, "inline", 1)
         assert learned_requests(dev, a.io_class) == {"1": 1, "2": 10}
         paths = dev.stats()["classes"][CLASSES[a.io_class]]
         assert (paths["inline"]["requests"], paths["pool"]["requests"]) == (1 + 10, 1)
@@ -197,7 +202,7 @@ def test_a_pinned_class_over_its_threshold_never_takes_the_fast_path(default_ima
         a.read(memoryview(bytearray(4096)), 0)
         for conn in (a, b) * 2:
             buf = bytearray(LEAF_SPAN)
-            assert not conn.fast(buf, 0)
+            assert conn.fast(buf, 0) is None
             conn.read(memoryview(buf), 0)
             assert buf == default_image.expected(0, LEAF_SPAN)
         assert learned_requests(dev, a.io_class) == {}
@@ -215,9 +220,10 @@ def test_a_learned_request_that_fails_on_the_fast_path_is_chosen_once(damaged, m
         a.read(memoryview(bytearray(4096)), 0)  # block 0 is sound: leaf 0 cached
         for conn in (a, b):  # the pool's (one client), then inline's (two)
             buf = bytearray(LEAF_SPAN)
-            assert not conn.fast(buf, 0)
+            chosen = conn.fast(buf, 0)
+            assert isinstance(chosen, Choice), chosen
             with pytest.raises(CorruptionError, match="data block 5"):
-                conn.read(memoryview(buf), 0)
+                conn.read(memoryview(buf), 0, chosen)
         assert learned_requests(dev, a.io_class) == {"1": 1, "2": 1}
         paths = dev.stats()["classes"][CLASSES[a.io_class]]
         assert (paths["inline"]["requests"], paths["pool"]["requests"]) == (1 + 1, 1)
@@ -233,7 +239,7 @@ def test_one_request_in_sample_every_is_timed(default_image, monkeypatch):
         buf = bytearray(4096)
         conn.read(memoryview(buf), 0)  # general: counted and timed
         for _ in range(2 * SAMPLE_EVERY):
-            assert conn.fast(buf, 0)
+            assert conn.fast(buf, 0) is True
         be = dev.dispatcher.stats
         assert len(be.latency(conn.io_class, "inline")) == 1 + 2
         assert dev.stats()["totals"]["data_blocks_verified"] == 1 + 2 * SAMPLE_EVERY

@@ -16,7 +16,7 @@ import threading
 import time
 
 from nbd_verity.control.table import INLINE, POOL
-from nbd_verity.schedule.dispatch import CYCLE_GAP_S, POOL_CHUNK_SIZE, Dispatcher
+from nbd_verity.schedule.dispatch import CYCLE_GAP_S, POOL_CHUNK_SIZE, Cycle, Dispatcher
 from nbd_verity.schedule.learn import (
     BUCKETS,
     COUNT,
@@ -448,7 +448,7 @@ def test_one_chunk_requests_the_table_verifies_inline_never_start_the_pool():
     try:
         buf = memoryview(bytearray(POOL_CHUNK_SIZE))
         for _ in range(TRIAL + 8):
-            d.read(buf, 0, BE, [0.0, 0.0, 0, None, 0])
+            d.read(buf, 0, BE, Cycle())
         snap = d.stats.snapshot()["be"]
         assert (snap["inline"]["requests"], snap["pool"]["requests"]) == (TRIAL + 8, 0), snap
         assert d._pool is None and d.learner.snapshot() == {}
@@ -474,7 +474,7 @@ def test_the_dispatcher_learns_per_load():
     """Two connections' requests in turn are learned as two clients', one's alone as one
     client's."""
     d, _ = dispatcher(frozenset())
-    clocks = [[0.0, 0.0, 0, None, 0] for _ in range(2)]
+    clocks = [Cycle() for _ in range(2)]
     try:
         buf = memoryview(bytearray(2 * MIB))
         for i in range(2 * (TRIAL + 1)):
@@ -498,7 +498,7 @@ def test_a_learned_requests_cost_is_its_clients_whole_cycle():
     client), unless the client was quiet for longer than CYCLE_GAP_S in between."""
     for gap, least, most in ((0.005, 0.005, CYCLE_GAP_S), (CYCLE_GAP_S + 0.02, 0, 0.005)):
         d, _ = dispatcher(frozenset())
-        clock = [0.0, 0.0, 0, None, 0]
+        clock = Cycle()
         try:
             buf = memoryview(bytearray(2 * MIB))
             # a trial: a sample is recorded once the next request's path is chosen, so
@@ -518,12 +518,12 @@ def test_any_next_request_ends_a_learned_requests_cycle():
     """A small request after a learned one ends its cycle there (the sample is taken),
     rather than a later learned request stretching it over the small ones."""
     d, _ = dispatcher(frozenset())
-    clock = [0.0, 0.0, 0, None, 0]
+    clock = Cycle()
     try:
         d.read(memoryview(bytearray(2 * MIB)), 0, BE, clock)
-        assert clock[0] > 0  # its sample waits for the connection's next request
+        assert clock.started > 0  # its sample waits for the connection's next request
         d.read(memoryview(bytearray(4096)), 0, BE, clock)  # under LEARN_MIN: the table's
-        assert clock[0] == 0.0
+        assert clock.started == 0.0
     finally:
         d.stop()
 

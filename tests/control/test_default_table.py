@@ -1,13 +1,13 @@
-"""The default threshold table is measured when the server starts (schedule/calibrate.py):
-what it chose is in `ctl thresholds` and `ctl stats`, explicit thresholds win over it,
-the other presets are not calibrated, and `--preset default` brings the measured table
-back at run time. Real `nbd-verity serve`, real control socket, real NBD reads."""
+"""The default threshold table is a plain table (control/table.py DEFAULT: inline up to
+one pool chunk, every class): `ctl thresholds` and `ctl stats` show it, explicit
+thresholds win over it and pin their class, the fixed presets pin every class, and
+`--preset default` brings it back at run time. Real `nbd-verity serve`, real control
+socket, real NBD reads."""
 
 from __future__ import annotations
 
 import os
 
-from nbd_verity.limits import MAX_REQUEST_SIZE
 from nbd_verity.schedule.dispatch import POOL_CHUNK_SIZE
 from nbd_verity.schedule.learn import LEARN_MIN
 
@@ -17,36 +17,15 @@ KIB = 1024
 FIXED = 1 << 20
 
 
-def allowed(threshold: int) -> bool:
-    """What calibration may choose: half a crossover size (32 KiB .. 4 MiB), everything
-    inline (no crossover), or the fixed table (over its budget)."""
-    return threshold in {(32 * KIB) << i for i in range(8)} | {MAX_REQUEST_SIZE, FIXED}
-
-
-def test_the_default_table_is_calibrated_and_says_how(servers, image):
+def test_the_default_table_is_one_pool_chunk_and_learns_above_it(servers, image):
     server = servers.start(image)
     reply = server.ask({"cmd": "thresholds"})
-    calibration = reply["calibration"]
-    values = set(reply["thresholds"].values())
-    assert len(values) == 1 and values == {calibration["threshold"]}, reply
-    assert allowed(calibration["threshold"]), calibration
-    assert calibration["outcome"] in ("crossover", "inline wins", "one worker", "over budget")
-    # measured in a child the server forked (two workers or more): not in the server
-    assert calibration["where"] == ("in process" if calibration["outcome"] == "one worker"
-                                    else "in a child"), calibration
-    won = [row["pool_us"] <= 0.9 * row["inline_us"] for row in calibration["figures"]]
-    if calibration["outcome"] == "crossover":  # two wins in a row, or one at 8 MiB: the end
-        sizes = [row["size"] for row in calibration["figures"]]
-        first = sizes.index(2 * calibration["threshold"])
-        assert all(won[first:]) and len(won) - first in (1, 2), calibration
-        assert not any(won[i] and won[i + 1] for i in range(first - 1)), calibration
-    elif calibration["outcome"] == "inline wins":  # never two wins in a row, nor at 8 MiB
-        assert not won[-1] and not any(won[i] and won[i + 1] for i in range(len(won) - 1))
-    assert server.stats()["calibration"] == calibration
+    assert reply["thresholds"] == dict.fromkeys(CLASSES, POOL_CHUNK_SIZE), reply
+    assert reply["pinned"] == [], reply  # every class learns above its threshold
+    assert server.stats()["thresholds"] == reply["thresholds"]
     shown = ctl(server.control, "thresholds")
     assert shown.returncode == 0, shown.stderr
-    assert shown.stdout.splitlines()[-1].startswith(
-        f"calibrated at start-up in {calibration['ms']:.0f} ms: "), shown.stdout
+    assert shown.stdout.splitlines()[:4] == [f"{c:<5} {POOL_CHUNK_SIZE}" for c in CLASSES]
 
     # the first request of a size takes the table's path (at the threshold inline, at
     # twice it the pool), unless schedule/learn.py's rule says otherwise: one client, a
@@ -54,11 +33,11 @@ def test_the_default_table_is_calibrated_and_says_how(servers, image):
     # 4096 bytes in (4096-byte blocks), one of 512 KiB spans two leaf hash blocks: never
     # the fast path, which verifies one within its threshold inline whatever the rule
     start = 4096
-    threshold = min(calibration["threshold"], image.size - start)
-    above = 2 * calibration["threshold"] <= image.size - start  # one over it fits here
+    threshold = min(POOL_CHUNK_SIZE, image.size - start)
+    above = image.size - start >= 2 * POOL_CHUNK_SIZE  # one over it fits here
     sizes = [threshold] + ([2 * threshold] if above else [])
     rule = len(os.sched_getaffinity(0)) >= 2  # the server's workers: the CPUs here
-    pooled = [size > calibration["threshold"] or (
+    pooled = [size > POOL_CHUNK_SIZE or (
         rule and size >= LEARN_MIN and size >= 2 * POOL_CHUNK_SIZE) for size in sizes]
     server.reset_stats()
     with server.client("@be") as h:
@@ -69,24 +48,23 @@ def test_the_default_table_is_calibrated_and_says_how(servers, image):
         pooled.count(False), pooled.count(True)), (sizes, be)
 
 
-def test_explicit_thresholds_win_and_presets_are_not_calibrated(servers, image):
+def test_explicit_thresholds_win_and_pin_and_fixed_presets_pin_every_class(servers, image):
     server = servers.start(image, "--threshold", "rt=0")
     table = server.thresholds()
-    calibrated = server.ask({"cmd": "thresholds"})["calibration"]["threshold"]
-    assert table == {"none": calibrated, "rt": 0, "be": calibrated, "idle": calibrated}
+    chunk = POOL_CHUNK_SIZE
+    assert table == {"none": chunk, "rt": 0, "be": chunk, "idle": chunk}
+    assert server.ask({"cmd": "thresholds"})["pinned"] == ["rt"]
 
     server.ask({"cmd": "thresholds", "preset": "kernel"})
     back = server.ask({"cmd": "thresholds", "preset": "default"})["thresholds"]
-    assert back == table  # the measured table (with rt=0 over it), not the fixed one
+    assert back == table  # the default table with rt=0 over it, not the fixed one
     assert server.ask({"cmd": "thresholds", "preset": "fixed"})["thresholds"] == \
         dict.fromkeys(CLASSES, FIXED)
 
     kernel = servers.start(image, "--threshold-preset", "kernel")
     reply = kernel.ask({"cmd": "thresholds"})
-    assert reply["calibration"] is None
     assert reply["thresholds"] == {"none": 8192, "rt": 8192, "be": 8192, "idle": 0}
-    every = servers.start(image, *[f"--threshold={c}=65536" for c in CLASSES])
-    assert every.ask({"cmd": "thresholds"})["calibration"] is None  # nothing left to measure
+    assert reply["pinned"] == list(CLASSES)
 
 
 def test_requests_of_one_pool_chunk_are_not_learned_the_table_decides(servers, image):
