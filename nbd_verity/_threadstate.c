@@ -21,11 +21,8 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
-#include <errno.h>
-#include <limits.h>
 #include <pthread.h>
 #include <stdatomic.h>
-#include <sys/resource.h>
 
 static pthread_key_t kept_key;
 static pthread_once_t kept_once = PTHREAD_ONCE_INIT;
@@ -110,28 +107,7 @@ static PyObject *kept(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(unused))
     return PyLong_FromLong(atomic_load(&kept_count));
 }
 
-/* The nice value this thread last asked for (schedule/priority.py): a request of the same
- * class as the last one on this thread costs one compare, no system call. */
-static __thread int applied_nice = INT_MIN;
-
-static PyObject *set_nice(PyObject *Py_UNUSED(module), PyObject *arg)
-{
-    long nice = PyLong_AsLong(arg);
-    if (nice == -1 && PyErr_Occurred())
-        return NULL;
-    if (nice == applied_nice)
-        Py_RETURN_NONE;
-    applied_nice = (int)nice;
-    /* Linux: PRIO_PROCESS with who 0 is the calling thread (nice is per task). */
-    if (setpriority(PRIO_PROCESS, 0, (int)nice) < 0)
-        return PyLong_FromLong(errno);  /* EACCES/EPERM: not allowed to raise it */
-    Py_RETURN_NONE;
-}
-
 static PyMethodDef methods[] = {
-    {"set_nice", set_nice, METH_O,
-     "set_nice(nice) -> None, or the errno of a refusal: this thread's nice value, set\n"
-     "only when it differs from the last one asked for on this thread."},
     {"keep", keep, METH_NOARGS,
      "keep() -> bool: keep this thread's Python state past the end of the current\n"
      "callback (True the first time on a thread, False after, or if it cannot)."},

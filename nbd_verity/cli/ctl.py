@@ -85,14 +85,9 @@ EXPORT_OPTION = click.option("--export", "export", default=None, metavar="NAME",
 @edge
 def stats_cmd(control: str, as_json: bool, reset: bool, export: str | None) -> None:
     """Requests per class and path, latencies, cache and hash-read counters."""
-    request: dict = {"cmd": "stats"}
-    if reset:
-        request["reset"] = True
-    if export is not None:
-        request["export"] = export
-    reply = checked(control, request)
-    if as_json:
-        click.echo(json.dumps(reply))
+    reply = _ask(control, {"cmd": "stats", **({"reset": True} if reset else {})}, export,
+                 as_json)
+    if reply is None:
         return
     stats = reply["stats"]
     if "exports" not in stats:
@@ -100,6 +95,17 @@ def stats_cmd(control: str, as_json: bool, reset: bool, export: str | None) -> N
         return
     blocks = [f"export {name}\n{format_stats(one)}" for name, one in stats["exports"].items()]
     click.echo("\n\n".join(blocks) if blocks else "no exports")
+
+
+def _ask(control: str, request: dict, export: str | None, as_json: bool) -> dict | None:
+    """The reply to request (of one export, when named); None once --json printed it."""
+    if export is not None:
+        request["export"] = export
+    reply = checked(control, request)
+    if as_json:
+        click.echo(json.dumps(reply))
+        return None
+    return reply
 
 
 @ctl.command("exports")
@@ -233,12 +239,8 @@ def trust_line(trust: dict) -> str:
 @edge
 def status_cmd(control: str, as_json: bool, export: str | None) -> None:
     """V (all verified) or C (corruption seen), as dmsetup status prints."""
-    request: dict = {"cmd": "status"}
-    if export is not None:
-        request["export"] = export
-    reply = checked(control, request)
-    if as_json:
-        click.echo(json.dumps(reply))
+    reply = _ask(control, {"cmd": "status"}, export, as_json)
+    if reply is None:
         return
     status = reply["status"]
     if "exports" in status:

@@ -27,7 +27,9 @@ import time
 from collections import deque
 
 from ..control.table import INLINE, POOL
+from ..errors import ImageIOError
 from ..ioclass import CLASSES
+from ..log import log
 from ..read.tally import Tally
 from .learn import LEARN_MIN, Learner
 from .pool import ClassPool
@@ -52,6 +54,15 @@ class Cycle:
         self.ended, self.length, self.path, self.load = ended, length, path, load
         self.io_class = io_class
         self.started = started  # last: a reader that sees it sees the rest
+
+
+class Client:
+    """The scheduling layer's view of one connection (serve/device.Connection is one):
+    its I/O class, its last learned request (a Cycle; None: each request alone) and its
+    Merkle readahead window (read/readahead.py; None: off)."""
+
+    def __init__(self, io_class: int, cycle: Cycle | None = None, readahead=None) -> None:
+        self.io_class, self.cycle, self.readahead = io_class, cycle, readahead
 
 
 class Choice:
@@ -130,8 +141,10 @@ class Dispatcher:
     """Runs each read inline or across the pool, as the current table says."""
 
     def __init__(self, read_fn, block_size: int, table: tuple[int, ...],
-                 workers: int = 0, shared_pool=None, pinned: frozenset = frozenset()) -> None:
+                 workers: int = 0, shared_pool=None, pinned: frozenset = frozenset(),
+                 counters=None) -> None:
         self._read = read_fn  # read_fn(buf, offset) verifies in place
+        self._counters = counters  # the verifier's (read/counters.py): io_errors, per request
         self.block_size = block_size
         self.table = table  # replaced whole, never mutated
         self.pinned = frozenset(pinned)  # classes whose threshold alone decides (explicit)
@@ -170,41 +183,67 @@ class Dispatcher:
         if pinned is not None:
             self.pinned = frozenset(pinned)
 
-    def read(self, buf: memoryview, offset: int, io_class: int,
-             clock: Cycle | None = None, chosen: Choice | None = None) -> None:
-        """clock: the connection's Cycle, so that a learned request's cost is its whole
-        cycle as its client sees it (see learned); None: the request alone. chosen: the
-        fast path's choice for this request (None: choose here).
+    def read(self, buf: memoryview, offset: int, client: Client,
+             chosen: Choice | None = None) -> None:
+        """Verify len(buf) bytes at offset into buf for client (a Client: its class, its
+        last learned request, its readahead window), inline or across the pool; chosen:
+        the fast path's choice for this request (None: choose here). A learned request's
+        cost is its whole cycle as its client sees it (see learned); with no Cycle, the
+        request alone.
 
         Every microsecond of Python here is one the client waits for (decisions/learner.md),
         so a request records its connection's last learned sample once its own path is
         chosen, and one sent to the pool does it while the workers verify its chunks."""
         length = len(buf)
+        if not length:
+            return
+        if client.readahead is not None:
+            client.readahead.before_read(offset, length)
+        io_class, clock = client.io_class, client.cycle
+        sample = None  # a learned request's (path chosen, load): its cost is a sample
         if chosen is not None:  # chosen by the fast path: not chosen twice
-            path, load, now = chosen.path, chosen.load, chosen.came
-            cycle = now if clock is not None and clock.started else None
+            path, now = chosen.path, chosen.came
+            sample = (path, chosen.load)
         else:
             now = time.perf_counter()
-            cycle = now if clock is not None and clock.started else None  # ends the last
             path = decide(self.table, io_class, length)
-            if io_class in self.pinned or length < LEARN_MIN:
-                self._timed(buf, offset, io_class, path, clock, None, cycle)
-                return
-            load = self.learner.load(id(clock), now)
-            path = self.learner.choose(io_class, length, path, load)
-        if path == POOL:
+            if io_class not in self.pinned and length >= LEARN_MIN:
+                load = self.learner.load(id(clock), now)
+                path = self.learner.choose(io_class, length, path, load)
+                sample = (path, load)
+        cycle = now if clock is not None and clock.started else None  # ends the last one's
+        pool = claimed = None
+        if sample is not None and path == POOL:
             pool = self._pool or self.start()
-            key = id(buf)  # no other request being served has this buffer
+            claimed = id(buf)  # no other request being served has this buffer
+            if not pool.claim(claimed):  # the cores are taken: verified here, no queueing
+                self._busy_inline.row()[io_class] += 1
+                path = INLINE  # the sample stays the pool's: what choosing it gets the client
+        try:
+            if cycle is not None and path == INLINE:
+                self.learned(clock, cycle)
+            started = time.perf_counter()
             try:
-                if pool.claim(key):
-                    self._timed(buf, offset, io_class, POOL, clock, (POOL, load), cycle)
-                else:  # the cores are taken: this thread verifies it, no queueing
-                    self._busy_inline.row()[io_class] += 1
-                    self._timed(buf, offset, io_class, INLINE, clock, (POOL, load), cycle)
-            finally:
-                pool.release(key)
-            return
-        self._timed(buf, offset, io_class, path, clock, (INLINE, load), cycle)
+                if path == INLINE:
+                    self._read(buf, offset)
+                else:
+                    self._read_in_pool(buf, offset, clock, cycle)
+            finally:  # failed requests count too, and their latency
+                ended = time.perf_counter()
+                self.stats.record(io_class, path, length, ended - started)
+                if sample is not None and clock is not None:  # taken at the next request
+                    clock.hold(started, ended, length, sample[0], sample[1], io_class)
+                elif sample is not None:
+                    self.learner.record(io_class, length, sample[0], ended - started,
+                                        started, sample[1])
+        except ImageIOError as e:  # the request's one count and line (nbdkit logs EIO too)
+            if self._counters is not None:
+                self._counters.add(io_errors=1)
+            log(str(e))
+            raise
+        finally:
+            if claimed is not None:
+                pool.release(claimed)
 
     def learned(self, clock: Cycle, now: float) -> None:
         """The connection's previous learned request, now that its next one has come: its
@@ -226,39 +265,12 @@ class Dispatcher:
         self.learner.record(clock.io_class, clock.length, clock.path, seconds, started,
                             clock.load)
 
-    def _timed(self, buf: memoryview, offset: int, io_class: int, path: str,
-               clock: Cycle | None = None, learn: tuple | None = None,
-               cycle: float | None = None) -> None:
-        """learn: the path the learner chose and the load it chose at, whose sample this
-        is (the pool's choice includes its requests verified inline when no worker was
-        free: what choosing the pool gets the client); None: no sample. cycle: when this
-        request came, which ends the connection's last learned request's cycle: its
-        sample is recorded here before an inline read, and while the workers verify a
-        pool read's chunks (None: none pending)."""
-        length = len(buf)
-        if cycle is not None and path == INLINE:
-            self.learned(clock, cycle)
-        started = time.perf_counter()
-        try:
-            if path == INLINE:
-                self._read(buf, offset)
-            else:
-                self._read_in_pool(buf, offset, io_class, clock, cycle)
-        finally:  # failed requests count too, and their latency
-            ended = time.perf_counter()
-            self.stats.record(io_class, path, length, ended - started)
-            if learn and clock is not None:  # a sample when the next request comes
-                clock.hold(started, ended, length, learn[0], learn[1], io_class)
-            elif learn:
-                self.learner.record(io_class, length, learn[0], ended - started, started,
-                                    learn[1])
-
-    def _read_in_pool(self, buf: memoryview, offset: int, io_class: int,
-                      clock: Cycle | None = None, cycle: float | None = None) -> None:
+    def _read_in_pool(self, buf: memoryview, offset: int, clock: Cycle | None = None,
+                      cycle: float | None = None) -> None:
         """Split on block boundaries into chunks, verify them in parallel, wait for all.
         The first failing chunk's error (in offset order) is the request's error, as the
         inline path would have raised it first. clock and cycle: the connection's last
-        sample, recorded once the chunks are queued (_timed; cycle None: none)."""
+        sample, recorded once the chunks are queued (read; cycle None: none)."""
         pool = self._pool or self.start()
         futures = []
         pos, end = offset, offset + len(buf)
@@ -266,8 +278,8 @@ class Dispatcher:
             while pos < end:
                 boundary = (pos // self.chunk_size + 1) * self.chunk_size
                 stop = min(end, boundary)
-                futures.append(pool.submit(io_class, self._read,
-                                           buf[pos - offset:stop - offset], pos))
+                futures.append(pool.submit(self._read, buf[pos - offset:stop - offset],
+                                           pos))
                 pos = stop
             if cycle is not None:
                 self.learned(clock, cycle)

@@ -1,19 +1,19 @@
 """The class gate: a request waits, before it does any work, while a better class is busy.
 
 One server is one process: its connections share the GIL, the page cache's copies and the
-pool, so nice values and the pool's queue order alone let a worse class's bulk load take
-them from a better class's small reads. The gate ranks whole requests, as the block
-layer's schedulers do: idle is served only when nobody else wants the disk, rt before be.
+pool, so a worse class's bulk load takes them from a better class's small reads unless
+whole requests are ranked, as the block layer's schedulers do: idle is served only when
+nobody else wants the disk, rt before be. The gate is the server's one ranking of classes
+(per-class nice values and a class-ordered pool queue met no QoS bar it did not meet
+alone: docs/decisions/priority.md).
 - RANK (ioclass.py): rt 0, be and none 1, idle 2.
 - A request waits at its start, with the GIL released (a condition variable), while a
   connection of a better rank has a request in flight or finished one less than QUIET_S
   (8 ms, as BFQ's slice_idle) ago. Requests in flight are never stopped.
-- The bound: no request waits here longer than WAIT_S (1 s); after that it runs, at its
-  own class's CPU priority and queue rank. Nothing waits when no better class is
-  connected: an idle load alone runs as a be load does.
+- The bound: no request waits here longer than WAIT_S (1 s); after that it runs. Nothing
+  waits when no better class is connected: an idle load alone runs as a be load does.
 - When it has nothing to rank (the open connections all of one rank) `ranked` is False
-  and the plugin does not call it at all; NBD_VERITY_CLASS_PRIORITY=0 turns it off with
-  the nice values (priority.py).
+  and the plugin does not call it at all; NBD_VERITY_CLASS_PRIORITY=0 turns it off.
 Locking: counts of open connections per rank change under the lock; the per-request path
 reads them without it (a stale count costs one request one needless look or one missed
 wait). A waiter looks again by itself (a better request's end wakes nobody): at the end
@@ -25,11 +25,11 @@ docs/decisions/gate.md.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
 from ..ioclass import RANK
-from . import priority
 
 RANKS = 3
 QUIET_S = 0.008  # a better rank stays busy this long after its last request ended
@@ -149,4 +149,6 @@ class ClassGate:
                     for r in range(RANKS)}
 
 
-gate = ClassGate(enabled=priority.enabled())  # the server's (plugin.py); tests make their own
+GATE_ENV = "NBD_VERITY_CLASS_PRIORITY"  # 0: the gate off (nothing counted, nobody waits)
+gate = ClassGate(enabled=os.environ.get(GATE_ENV, "") not in ("0", "false", "no", "off"))
+# the server's (serve/callbacks.py); tests make their own

@@ -2,17 +2,16 @@
 
 `nbdkit python /abs/path/plugin.py data=... hash=...` runs them; `nbd-verity serve` points
 nbdkit at this file itself so that an installed package needs no file outside it. Every
-callback is a few lines that delegate to nbd_verity.serve.device and translate errors at this
-edge: corruption and I/O errors become EIO via nbdkit.set_error, and under
-restart-on-corruption a corruption also stops the server (see _restart). pread first
-offers the request to its connection's fast path (serve/fastpath.py: the common request,
-one frame and one native call); whatever that declines takes the general path. Before
-either, pread keeps the thread's Python thread state for the requests after it
-(serve/threadstate.py), and close gives it back, puts the thread at its
-connection's class priority (schedule/priority.py), and waits at the class gate while a
-better class is busy (schedule/gate.py: open and close count the connections it ranks).
-With exports=DIR the callbacks serve every export of DIR (serve/exportset.py): open picks
-one by name, list_exports lists them.
+callback is a few lines that delegate to the one server object, a Device (one image,
+serve/device.py) or an ExportSet (the exports of a directory, serve/exportset.py: open
+picks one by name, list_exports lists them), and translate errors at this edge:
+corruption and I/O errors become EIO via nbdkit.set_error, and under
+restart-on-corruption a corruption also stops the server (see _restart). pread keeps the
+thread's Python thread state for the requests after it (serve/threadstate.py; close gives
+it back), waits at the class gate while a better class is busy (schedule/gate.py: open
+and close count the connections it ranks), offers the request to its connection's fast
+path (serve/fastpath.py: the common request, one frame and one native call), and hands
+whatever that declines to the general path, Dispatcher.read (schedule/dispatch.py).
 
 A failed request is raised by nbdkit_compat.FailureRaiser, outside any `except` block, so
 that nbdkit 1.32's leak of every failed callback's exception costs nothing (see there);
@@ -41,7 +40,7 @@ from nbd_verity.prepare.config import (
     SERIALIZE_REQUESTS,
     ConfigBuilder,
 )
-from nbd_verity.schedule import gate, priority
+from nbd_verity.schedule import gate
 from nbd_verity.serve import device, nbdkit_compat, threadstate
 
 API_VERSION = 2
@@ -53,18 +52,14 @@ __all__ = ["API_VERSION", "after_fork", "block_size", "cache", "can_cache", "can
 RESTART_GRACE_S = 0.5  # time for the failing request's reply before the process exits
 EXIT_RESTART = 75  # exit status after restart-on-corruption (EX_TEMPFAIL): supervisor restarts
 _builder = ConfigBuilder()
-_device = None  # the one image served, or
-_exports = None  # the exports of a directory (serve/exportset.py)
+_server = None  # a Device (one image) or an ExportSet (the exports of a directory): the
+# same calls (open, closed, list, corruptions, start_threads, close)
 _restart_requested = threading.Event()
 _format_exception = traceback.format_exception
 _failed_reads = [0]  # requests answered with an error, for the log summary
 _failed_lock = threading.Lock()
 _keep = threadstate.keep
-_set_nice = priority.setter()  # None: class priority off
-_CLASS_NICE = priority.CLASS_NICE
-_ALONE_NICE = priority.ALONE_NICE
 _gate = gate.gate
-priority.follow(_gate)  # the pool's workers pick their nice values as pread does
 
 
 def _one_line(exc, value=None, tb=None, **kwargs):
@@ -193,36 +188,33 @@ def config_complete():
 
 
 def get_ready():
-    global _device, _exports
+    global _server
     hooks = device.Hooks(export_name=nbdkit.export_name, peer_pid=_peer_pid,
                          stopping=_stopping, may_name=_may_name)
     if _config.exports is not None:
         from nbd_verity.serve.exportset import ExportSet  # many images, one server
-        _exports = ExportSet(_config, hooks)
-        _exports.reload()  # a refused file is logged; the others serve
+        _server = ExportSet(_config, hooks)
+        _server.reload()  # a refused file is logged; the others serve
         return
-    _device = device.Device(_config, hooks)
-    for warning in _device.trust.warnings:  # an expired signer, unreadable trusted certs
+    _server = device.Device(_config, hooks)
+    for warning in _server.trust.warnings:  # an expired signer, unreadable trusted certs
         log(f"warning: {warning}")
 
 
 def after_fork():
     logbound.install(_config.log_rate, _log_totals)
-    (_exports or _device).start_threads()
+    _server.start_threads()
 
 
 def _log_totals():
     """(corruptions, failed reads) so far, for the log summary."""
-    corruptions = (_exports.corruptions() if _exports is not None
-                   else _device.verifier.counters.corruptions)
-    return corruptions, _failed_reads[0]
+    return _server.corruptions(), _failed_reads[0]
 
 
 def cleanup():
     logbound.uninstall()
-    server = _exports or _device
-    if server is not None:
-        server.close()
+    if _server is not None:
+        _server.close()
         if _restart_requested.is_set():
             _exit_for_restart()
 
@@ -234,10 +226,7 @@ def list_exports(readonly, is_tls):
     if not _config.list_exports:
         nbdkit.set_error(errno.EPERM)
         raise ConfigError("listing exports is off (serve --list-exports turns it on)")
-    if _exports is not None:
-        return _exports.list()
-    return [("", f"verified, {_device.size} bytes, root hash "
-                 f"{_device.trust.root_hex[:16]}...")]
+    return _server.list()
 
 
 def default_export(readonly, is_tls):
@@ -247,25 +236,19 @@ def default_export(readonly, is_tls):
 def open(readonly):
     problem = None
     try:
-        if _exports is not None:
-            h = _exports.open(nbdkit.export_name())
-        else:
-            h = device.Connection.open(_device)
+        h = _server.open(nbdkit.export_name())
         _gate.opened(h.io_class)  # ranked against the other connections (schedule/gate.py)
         return h
     except ConfigError as e:  # an unknown class in the export name, or export
         problem = str(e)
-        errnum = errno.ENOENT if _exports is not None and "not served" in problem \
-            else errno.EINVAL
+        errnum = errno.ENOENT if "not served" in problem else errno.EINVAL
     _failures.fail(errnum, problem)  # outside the except block: nothing kept
 
 
 def close(h):
     _gate.closed(h.io_class)
     threadstate.release()  # this thread's kept state, when requests ran on it (threadstate.py)
-    export = getattr(h, "export", None)
-    if export is not None:
-        _exports.closed(export)
+    _server.closed(h)
 
 
 def get_size(h):
@@ -293,55 +276,36 @@ def is_rotational(h):
 
 
 def pread(h, buf, offset, flags):
-    """Every call here before the fast path is one the fast path's requests pay: this
-    thread's nice is one C call (a compare when it is set), and the class gate is asked
-    only while connections of two ranks are open (one attribute read otherwise)."""
+    """Every call here before the fast path is one the fast path's requests pay: the class
+    gate is asked only while connections of two ranks are open (one attribute read
+    otherwise)."""
     _keep()  # from the second request of a thread on: no new Python thread state
-    ranked = _gate.ranked  # read once: the nice value and the gate agree on it
-    if _set_nice is not None:  # this thread at its connection's class (schedule/priority.py)
-        nice = (_CLASS_NICE if ranked else _ALONE_NICE)[h.io_class]
-        refused = _set_nice(nice)
-        if refused is not None:
-            priority.refusal(h.io_class, refused, nice)
-    if ranked:  # the gate may make it wait, or count it (schedule/gate.py)
-        problem = _ranked_read(h, buf, offset)
-    else:
+    # with connections of two ranks open, the gate may make it wait while a better class
+    # is busy, and counts it while a worse one watches (schedule/gate.py)
+    counted = _gate.ranked and _gate.enter(h.io_class)
+    try:
         chosen = h.fast(buf, offset)  # the common request, in one frame more (fastpath.py)
         if chosen is True:
             return
-        problem = _read(h, buf, offset, chosen)
-    if problem is not None:
-        with _failed_lock:
-            _failed_reads[0] += 1
-        _failures.fail(*problem)  # outside any except block: see nbdkit_compat
-
-
-def _ranked_read(h, buf, offset):
-    """A request of a server with connections of two ranks open: it waits at the gate
-    while a better class is busy, and is counted while a worse one watches it."""
-    counted = _gate.enter(h.io_class)
-    try:
-        chosen = h.fast(buf, offset)
-        return None if chosen is True else _read(h, buf, offset, chosen)
+        if len(buf) > MAX_REQUEST_SIZE:  # nbdkit 1.32 does not enforce block_size's maximum
+            problem = (errno.EINVAL, f"read of {len(buf)} bytes exceeds the maximum "
+                                     f"{MAX_REQUEST_SIZE}")
+        else:  # the general path (schedule/dispatch.py), with the fast path's choice
+            try:
+                h.device.dispatcher.read(memoryview(buf), offset, h, chosen)
+                return
+            except CorruptionError as e:
+                if h.device.config.mode == RESTART_ON_CORRUPTION:
+                    _restart()
+                problem = errno.EIO, str(e)
+            except ImageIOError as e:  # counted and logged by the dispatcher
+                problem = errno.EIO, str(e)
     finally:
         if counted:
             _gate.leave(h.io_class)
-
-
-def _read(h, buf, offset, chosen=None):
-    """Verify into buf (chosen: the fast path's dispatch.Choice for it, or None); None, or
-    (errno, message) for a request that fails."""
-    if len(buf) > MAX_REQUEST_SIZE:  # nbdkit 1.32 does not enforce block_size's maximum
-        return errno.EINVAL, f"read of {len(buf)} bytes exceeds the maximum {MAX_REQUEST_SIZE}"
-    try:
-        h.read(memoryview(buf), offset, chosen)
-    except CorruptionError as e:
-        if h.device.config.mode == RESTART_ON_CORRUPTION:
-            _restart()
-        return errno.EIO, str(e)
-    except ImageIOError as e:
-        return errno.EIO, str(e)
-    return None
+    with _failed_lock:
+        _failed_reads[0] += 1
+    _failures.fail(*problem)  # outside any except block: see nbdkit_compat
 
 
 def cache(h, count, offset, flags):

@@ -22,7 +22,7 @@ longer opens, a broken edit keeps the old export, a changed trust drops it. A re
 refuses new connections at once; a replaced or removed export closes with its last client.
 
 Locking: `_reloading` makes reloads one at a time; files are opened without any lock, on
-threads of their own within a deadline (_open_all); `_lock` guards only the swap of the
+threads of their own within a deadline (open_all); `_lock` guards only the swap of the
 map (replaced whole, never changed in place: open() reads it under `_lock`, status
 without), connection counts and `_retired`. So a slow upstream holds neither new clients
 of other exports nor the control socket (docs/server.md, "Many exports").
@@ -33,7 +33,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-from concurrent.futures import Future, wait
 from dataclasses import dataclass, field, replace
 
 from ..control.exports import RELOAD_DEADLINE_S
@@ -47,15 +46,10 @@ from ..prepare.keys import image_pairs
 from ..schedule.pool import ClassPool
 from ..sources.remote import redact_text
 from ..sources.upstream import stop_upstreams
-from ..trust.certs import DEFAULT_SEARCH_PATH
 from ..trust.remote_sidecar import close_private
-from ..trust.sidecar import auxiliary_path
 from .device import Connection, Device, Hooks, Shared
 from .nbdkit_compat import nbdkit_version, version_text
-
-OPENERS = 4  # export files one reload opens at once (each may wait on the network)
-# what sits beside a local image and may carry its trust (trust/sidecar.py)
-SIDECAR_SUFFIXES = (".roothash", ".roothash.p7s", ".usrhash", ".usrhash.p7s", ".verity")
+from .opening import file_identity, open_all, quiet, trust_identity, why
 
 
 @dataclass
@@ -84,41 +78,6 @@ class Export:
         stop_upstreams(self.upstreams)
 
 
-def file_identity(path: str) -> tuple:
-    """What tells a file changed: its size, times (ctime: a chmod, an xattr) and inode."""
-    st = os.stat(path)
-    return st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev
-
-
-def trust_identity(config: ServerConfig, spec) -> tuple:
-    """The state of every local file an export's trust rests on: the server's trusted
-    certificates (a file, a directory, or verity.d's places), the export's root hash and
-    signature files, and the sidecars beside a local image. A reload that finds it
-    changed opens the export anew, and drops it if it no longer opens."""
-    places = ((config.trusted_certs,) if config.trusted_certs else DEFAULT_SEARCH_PATH)
-    files = [*places, spec.options.get("root_hash_file"),
-             spec.options.get("root_hash_signature")]
-    if "://" not in spec.data:
-        files += [auxiliary_path(spec.data, suffix) for suffix in SIDECAR_SUFFIXES]
-    return tuple((path, _state(path)) for path in files if path)
-
-
-def _state(path: str):
-    """A file's identity; a directory's, with its entries' (a certificate added or
-    removed); None when absent."""
-    try:
-        identity = file_identity(path)
-    except OSError:
-        return None
-    if not os.path.isdir(path):
-        return identity
-    try:
-        names = sorted(os.listdir(path))
-    except OSError:
-        return identity
-    return identity, tuple((n, _state(os.path.join(path, n))) for n in names)
-
-
 @dataclass
 class _Job:
     """One export file a reload opens (or refused before opening: identity empty)."""
@@ -128,63 +87,6 @@ class _Job:
     old: Export | None  # the export it replaces
     identity: tuple  # (file_identity, trust_identity) of what is opened
     keep_old: bool  # on failure the old export serves on (a broken edit, trust unchanged)
-
-
-def _open_all(calls: dict, deadline_s: float) -> dict:
-    """Run each call (key -> (function, *args)) on a thread of its own, at most OPENERS
-    at once, for deadline_s seconds in all: key -> its result, or a one-line reason it
-    failed or is still running. What opens after the deadline is closed, never served.
-    Daemon threads: one stuck on a silent server never holds up the server's exit."""
-    gate = threading.BoundedSemaphore(OPENERS)
-    futures = {}
-    for key, (function, *args) in calls.items():
-        future: Future = Future()
-        futures[key] = future
-        threading.Thread(target=_run, args=(future, gate, function, args),
-                         name="export-open", daemon=True).start()
-    wait(futures.values(), timeout=deadline_s)
-    results = {}
-    for key, future in futures.items():
-        if future.done():
-            error = future.exception()
-            results[key] = _why(error) if error is not None else future.result()
-            continue
-        if not future.cancel():  # running: whatever it opens is closed when it ends
-            future.add_done_callback(_close_late)
-        results[key] = (f"still opening after {deadline_s:g} s: not served (the next "
-                        f"reload tries again)")
-    return results
-
-
-def _run(future: Future, gate, function, args) -> None:
-    with gate:
-        if not future.set_running_or_notify_cancel():
-            return
-        try:
-            future.set_result(function(*args))
-        except BaseException as e:
-            future.set_exception(e)
-
-
-def _close_late(future: Future) -> None:
-    """An export that opened after its reload's deadline: closed, never served."""
-    if not future.cancelled() and future.exception() is None:
-        export = future.result()
-        export.close()
-        log(f"export {export.name}: opened after the reload's deadline; closed")
-
-
-def _why(error: BaseException) -> str:
-    """One line for a refused export file."""
-    if isinstance(error, VerityError):
-        return str(error)
-    if isinstance(error, OSError):
-        return error.strerror or str(error)
-    return f"{type(error).__name__}: {error}"
-
-
-def _quiet(line: str) -> None:
-    """Warnings of a file only looked at (they are logged when it is opened)."""
 
 
 class ExportSet:
@@ -240,12 +142,16 @@ class ExportSet:
         try:
             connection = Connection.open(export.device)
         except BaseException:
-            self.closed(export)
+            self._left(export)
             raise
         connection.export = export
         return connection
 
-    def closed(self, export: Export) -> None:
+    def closed(self, connection: Connection) -> None:
+        """A client has gone (a connection open() made)."""
+        self._left(connection.export)
+
+    def _left(self, export: Export) -> None:
         """A client of export has gone; a retired export closes with its last client."""
         with self._lock:
             export.connections -= 1
@@ -290,7 +196,7 @@ class ExportSet:
                 job = self._plan(path, current, report)
                 if job is not None:
                     jobs[path] = job
-            opened = _open_all({path: (self._load, path, job.identity)
+            opened = open_all({path: (self._load, path, job.identity)
                                 for path, job in jobs.items() if job.identity}, deadline_s)
             for path, job in jobs.items():
                 self._settle(job, opened.get(path), current, report)
@@ -309,9 +215,9 @@ class ExportSet:
         old = current.get(name)
         try:
             identity = file_identity(path)
-            trust = trust_identity(self.config, read_export_file(path, warn=_quiet))
+            trust = trust_identity(self.config, read_export_file(path, warn=quiet))
         except (VerityError, OSError) as e:
-            self._refuse(report, path, _why(e))
+            self._refuse(report, path, why(e))
             if old is None or old.path != path:
                 return None
             # a broken edit keeps the old export, unless what its trust rests on changed

@@ -384,3 +384,8 @@ def reads_across_an_outage(h, expected: bytes, outage, chunk: int = 64 << 10) ->
         thread.join(120)
     assert not problems, problems
     return outcomes
+
+
+def read_general(conn, buf, offset, chosen=None):
+    """The general path, as the callbacks' pread takes it after the fast path."""
+    conn.device.dispatcher.read(buf, offset, conn, chosen)

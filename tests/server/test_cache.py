@@ -13,7 +13,7 @@ import pytest
 from nbd_verity.prepare.config import config_from_pairs
 from nbd_verity.serve.device import Connection, Device
 
-from .serverlib import MIB, expect_eio, flip_byte
+from .serverlib import MIB, expect_eio, flip_byte, read_general
 
 # offset, count: unaligned, several level-0 blocks; the first runs to the device's end (so
 # readahead has nothing past it to fetch), the second stops in the middle.
@@ -39,7 +39,7 @@ def read_counting(dev, offset: int, count: int) -> tuple[bytes, dict]:
     """Read through a new Connection; return the bytes and the counters of that read."""
     dev.verifier.counters.reset()
     buf = bytearray(count)
-    Connection(dev).read(memoryview(buf), offset)
+    read_general(Connection(dev), memoryview(buf), offset)
     return bytes(buf), dev.verifier.counters.snapshot()
 
 

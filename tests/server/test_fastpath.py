@@ -23,7 +23,7 @@ from nbd_verity.schedule.dispatch import Choice
 from nbd_verity.serve.device import Connection, Device
 from nbd_verity.serve.fastpath import SAMPLE_EVERY, never
 
-from .serverlib import FAST_PATH_ENV, MIB, control_request, flip_byte
+from .serverlib import FAST_PATH_ENV, MIB, control_request, flip_byte, read_general
 
 pytestmark = pytest.mark.skipif(digest._native is None, reason="the fast path needs the "
                                 "native engine (not built, or NBD_VERITY_PURE=1)")
@@ -73,7 +73,7 @@ def outcome(conn: Connection, offset: int, length: int):
     try:
         chosen = conn.fast(buf, offset)
         if chosen is not True:  # the general path, with the fast path's choice if any
-            conn.read(memoryview(buf), offset, chosen)
+            read_general(conn, memoryview(buf), offset, chosen)
     except VerityError as e:
         return type(e).__name__, str(e)
     return bytes(buf)
@@ -117,7 +117,7 @@ def test_the_fast_path_answers_only_the_common_request(default_image, monkeypatc
         conn = Connection(dev)
         buf = bytearray(4096)
         assert conn.fast(buf, 0) is None  # leaf 0 not cached yet
-        conn.read(memoryview(buf), 0)  # the general path caches it
+        read_general(conn, memoryview(buf), 0)  # the general path caches it
         for offset, length, taken in [
             (0, 4096, True), (4096 * 127, 4096, True), (0, LEAF_SPAN, True),
             (4096, LEAF_SPAN - 4096, True),
@@ -172,11 +172,11 @@ def test_a_learned_request_takes_the_fast_path_when_its_choice_is_inline(default
     dev = unpinned(default_image, monkeypatch)
     try:
         a, b = Connection(dev), Connection(dev)
-        a.read(memoryview(bytearray(4096)), 0)  # the general path caches leaf 0
+        read_general(a, memoryview(bytearray(4096)), 0)  # the general path caches leaf 0
         buf = bytearray(LEAF_SPAN)
         chosen = a.fast(buf, 0)  # one client: the pool's, the choice handed on
         assert isinstance(chosen, Choice) and chosen.path == "pool", chosen
-        a.read(memoryview(buf), 0, chosen)
+        read_general(a, memoryview(buf), 0, chosen)
         assert buf == default_image.expected(0, LEAF_SPAN)
         for conn in (b, a) * 5:  # two clients: inline
             buf = bytearray(LEAF_SPAN)
@@ -199,11 +199,11 @@ def test_a_pinned_class_over_its_threshold_never_takes_the_fast_path(default_ima
     try:
         a, b = Connection(dev), Connection(dev)
         dev.dispatcher.set_table(dev.dispatcher.table, pinned=frozenset({a.io_class}))
-        a.read(memoryview(bytearray(4096)), 0)
+        read_general(a, memoryview(bytearray(4096)), 0)
         for conn in (a, b) * 2:
             buf = bytearray(LEAF_SPAN)
             assert conn.fast(buf, 0) is None
-            conn.read(memoryview(buf), 0)
+            read_general(conn, memoryview(buf), 0)
             assert buf == default_image.expected(0, LEAF_SPAN)
         assert learned_requests(dev, a.io_class) == {}
         assert dev.stats()["classes"][CLASSES[a.io_class]]["pool"]["requests"] == 4
@@ -217,13 +217,13 @@ def test_a_learned_request_that_fails_on_the_fast_path_is_chosen_once(damaged, m
     dev = unpinned(damaged, monkeypatch)
     try:
         a, b = Connection(dev), Connection(dev)
-        a.read(memoryview(bytearray(4096)), 0)  # block 0 is sound: leaf 0 cached
+        read_general(a, memoryview(bytearray(4096)), 0)  # block 0 is sound: leaf 0 cached
         for conn in (a, b):  # the pool's (one client), then inline's (two)
             buf = bytearray(LEAF_SPAN)
             chosen = conn.fast(buf, 0)
             assert isinstance(chosen, Choice), chosen
             with pytest.raises(CorruptionError, match="data block 5"):
-                conn.read(memoryview(buf), 0, chosen)
+                read_general(conn, memoryview(buf), 0, chosen)
         assert learned_requests(dev, a.io_class) == {"1": 1, "2": 1}
         paths = dev.stats()["classes"][CLASSES[a.io_class]]
         assert (paths["inline"]["requests"], paths["pool"]["requests"]) == (1 + 1, 1)
@@ -237,7 +237,7 @@ def test_one_request_in_sample_every_is_timed(default_image, monkeypatch):
     try:
         conn = Connection(dev)
         buf = bytearray(4096)
-        conn.read(memoryview(buf), 0)  # general: counted and timed
+        read_general(conn, memoryview(buf), 0)  # general: counted and timed
         for _ in range(2 * SAMPLE_EVERY):
             assert conn.fast(buf, 0) is True
         be = dev.dispatcher.stats

@@ -16,7 +16,7 @@ import threading
 import time
 
 from nbd_verity.control.table import INLINE, POOL
-from nbd_verity.schedule.dispatch import CYCLE_GAP_S, POOL_CHUNK_SIZE, Cycle, Dispatcher
+from nbd_verity.schedule.dispatch import CYCLE_GAP_S, POOL_CHUNK_SIZE, Client, Cycle, Dispatcher
 from nbd_verity.schedule.learn import (
     BUCKETS,
     COUNT,
@@ -425,9 +425,9 @@ def test_pinned_classes_and_small_requests_follow_the_table_alone():
     try:
         buf = memoryview(bytearray(2 * MIB))
         for _ in range(20):
-            d.read(buf, 0, BE)  # pinned: over its threshold, the pool every time
-            d.read(buf[:64 << 10], 0, IDLE)  # small: inline, as the table (256 KiB) says
-            d.read(buf[:LEARN_MIN - 4096], 0, IDLE)  # under LEARN_MIN: the table's pool
+            d.read(buf, 0, Client(BE))  # pinned: over its threshold, the pool every time
+            d.read(buf[:64 << 10], 0, Client(IDLE))  # small: inline, as the table says
+            d.read(buf[:LEARN_MIN - 4096], 0, Client(IDLE))  # under LEARN_MIN: the table
         snap = d.stats.snapshot()
         assert snap["be"]["pool"]["requests"] == 20 and snap["be"]["inline"]["requests"] == 0
         assert snap["idle"]["inline"]["requests"] == 20
@@ -448,7 +448,7 @@ def test_one_chunk_requests_the_table_verifies_inline_never_start_the_pool():
     try:
         buf = memoryview(bytearray(POOL_CHUNK_SIZE))
         for _ in range(TRIAL + 8):
-            d.read(buf, 0, BE, Cycle())
+            d.read(buf, 0, Client(BE, Cycle()))
         snap = d.stats.snapshot()["be"]
         assert (snap["inline"]["requests"], snap["pool"]["requests"]) == (TRIAL + 8, 0), snap
         assert d._pool is None and d.learner.snapshot() == {}
@@ -461,7 +461,7 @@ def test_an_unpinned_class_learns_through_the_dispatcher():
     try:
         buf = memoryview(bytearray(2 * MIB))
         for _ in range(TRIAL + 8):
-            d.read(buf, 0, BE)
+            d.read(buf, 0, Client(BE))
         snap = d.stats.snapshot()["be"]
         assert snap["inline"]["requests"] >= 1 and snap["pool"]["requests"] >= 1  # both tried
         row = d.learner.snapshot()["be"]["loads"]["1"]["buckets"][str(2 * MIB)]
@@ -478,10 +478,10 @@ def test_the_dispatcher_learns_per_load():
     try:
         buf = memoryview(bytearray(2 * MIB))
         for i in range(2 * (TRIAL + 1)):
-            d.read(buf, 0, BE, clocks[i % 2])
+            d.read(buf, 0, Client(BE, clocks[i % 2]))
         time.sleep(LOAD_S + 0.01)
         for _ in range(LOAD_LAST + TRIAL + 1):
-            d.read(buf, 0, BE, clocks[0])
+            d.read(buf, 0, Client(BE, clocks[0]))
         loads = d.learner.snapshot()["be"]["loads"]
         two, one = (loads[n]["buckets"][str(2 * MIB)] for n in ("2", "1"))
         assert two["requests"] == 2 * (TRIAL + 1) - 1 and two["trials"] == 1, loads
@@ -504,7 +504,7 @@ def test_a_learned_requests_cost_is_its_clients_whole_cycle():
             # a trial: a sample is recorded once the next request's path is chosen, so
             # each run hands out one request more (the last run's ends its last cycle)
             for _ in range(TRIAL + len(RUNS)):
-                d.read(buf, 0, BE, clock)
+                d.read(buf, 0, Client(BE, clock))
                 time.sleep(gap)
             row = d.learner.snapshot()["be"]["loads"]["1"]["buckets"][str(2 * MIB)]
         finally:
@@ -520,9 +520,9 @@ def test_any_next_request_ends_a_learned_requests_cycle():
     d, _ = dispatcher(frozenset())
     clock = Cycle()
     try:
-        d.read(memoryview(bytearray(2 * MIB)), 0, BE, clock)
+        d.read(memoryview(bytearray(2 * MIB)), 0, Client(BE, clock))
         assert clock.started > 0  # its sample waits for the connection's next request
-        d.read(memoryview(bytearray(4096)), 0, BE, clock)  # under LEARN_MIN: the table's
+        d.read(memoryview(bytearray(4096)), 0, Client(BE, clock))  # under LEARN_MIN
         assert clock.started == 0.0
     finally:
         d.stop()
@@ -538,7 +538,7 @@ def test_a_pool_request_verified_inline_for_want_of_a_worker_is_a_pool_sample():
         for run in RUNS:  # the table's 256 KiB: the pool first, inline, the pool again
             pool.claim(0)  # another connection's pool request: no worker is free
             for _ in range(run):
-                d.read(buf, 0, BE)
+                d.read(buf, 0, Client(BE))
             pool.release(0)
         assert d.busy_inline()["be"] == RUNS[0] + RUNS[2]  # the pool's runs, all inline
         assert d.stats.snapshot()["be"]["pool"]["requests"] == 0
