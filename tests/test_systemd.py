@@ -191,9 +191,9 @@ def _known(lookup, number: int) -> bool:
 
 def as_unit(unit: str, argv: list[str]) -> list[str]:
     """argv in the unit's sandbox, as far as this machine allows without systemd as pid 1
-    (no CAP_SYS_RESOURCE here for LimitNICE=; PrivateUsers= and the mount namespaces
-    are systemd's): User= and Group=, CapabilityBoundingSet=, NoNewPrivileges=, and a
-    /proc mounted as ProtectProc= and ProcSubset= ask. exec all along: one pid."""
+    (PrivateUsers= and the mount namespaces are systemd's): User= and Group=,
+    CapabilityBoundingSet=, NoNewPrivileges=, and a /proc mounted as ProtectProc= and
+    ProcSubset= ask. exec all along: one pid."""
     uid, gid = unit_ids(unit)
     assert directive(unit, "CapabilityBoundingSet") == [""]  # none: what -all gives
     assert directive(unit, "NoNewPrivileges") == ["yes"]

@@ -53,7 +53,8 @@ FAST_PATH_BOTH = {"test_corruption", "test_readback", "test_stats", "test_engine
 
 
 def pytest_generate_tests(metafunc):
-    if ("read_path" in metafunc.fixturenames and metafunc.module.__name__ in FAST_PATH_BOTH
+    suite = metafunc.module.__name__.rpartition(".")[2]  # tests.server.test_x: test_x
+    if ("read_path" in metafunc.fixturenames and suite in FAST_PATH_BOTH
             and not any(m.name == "parametrize" and "read_path" in m.args[0]
                         for m in metafunc.definition.iter_markers())):
         metafunc.parametrize("read_path", PATHS, indirect=True)

@@ -52,7 +52,7 @@ def test_the_class_a_connection_named_needs_permission_above_the_default(
 
 
 def test_an_rt_name_without_permission_does_not_hold_back_other_clients(
-        tmp_path, images, servers, sockdir):
+        tmp_path, images, servers, sockdir):  # noqa: F811 - the fixture
     """~200 small reads a second on `c@rt`, not permitted, beside a be client of export
     a: the be client's reads stay fast (each took ~1000 ms when any client could name
     rt, held back by the class gate), and c's requests are counted as be."""
@@ -90,7 +90,7 @@ def test_an_rt_name_without_permission_does_not_hold_back_other_clients(
     assert counts["rt"] == 0 and counts["be"] > 100, counts
 
 
-def test_a_many_export_servers_default_class_is_every_exports(tmp_path, images, servers,
+def test_a_many_export_servers_default_class_is_every_exports(tmp_path, images, servers,  # noqa: F811 - the fixture
                                                               sockdir):
     """`serve --exports DIR --default-class idle`: a client naming no class gets idle on
     every export, and naming be is then a promotion (each export took be before)."""

@@ -6,6 +6,7 @@ reload`), a silent NBD upstream and a dripping HTTP server made here."""
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import os
 import secrets
@@ -56,7 +57,8 @@ def reload_beside_a_stall(server, stalled: str, pending) -> None:
     control socket answer at once, and the reload ends by its deadline, saying so."""
     outcome: dict = {}
     thread = threading.Thread(target=lambda: outcome.update(zip(("run", "took"),
-                                                                ctl_reload(server))))
+                                                                ctl_reload(server),
+                                                                strict=True)))
     thread.start()
     try:
         wait_for(pending, "the reload to reach the stalled upstream", timeout=30)
@@ -76,7 +78,7 @@ def reload_beside_a_stall(server, stalled: str, pending) -> None:
 
 
 @pytest.fixture
-def one_served(tmp_path, images, servers):
+def one_served(tmp_path, images, servers):  # noqa: F811 - the fixture
     directory = tmp_path / "exports"
     directory.mkdir()
     write_export(directory, "one", images["one"])
@@ -86,7 +88,7 @@ def one_served(tmp_path, images, servers):
 
 
 def test_a_silent_nbd_upstream_stalls_neither_other_exports_nor_the_control_socket(
-        one_served, images, tmp_path):
+        one_served, images, tmp_path):  # noqa: F811 - the fixture
     """An export whose NBD upstream accepts and never speaks: while its reload waits,
     export one serves a new client and `status` answers; the reload ends by its deadline
     and says the file was not served (before: 18 s for a new client, 7 s for status)."""
@@ -109,7 +111,7 @@ def test_a_silent_nbd_upstream_stalls_neither_other_exports_nor_the_control_sock
 class Drip(http.server.BaseHTTPRequestHandler):
     """Every answer a 200 whose body comes one byte every 0.5 s: no read ever times out."""
 
-    def do_GET(self):  # noqa: N802 - http.server's name
+    def do_GET(self):
         self.server.asked.set()
         self.send_response(200)
         self.send_header("Content-Length", "4096")
@@ -201,10 +203,8 @@ def open_fds(pid: int) -> list[str]:
     fds = Path(f"/proc/{pid}/fd")
     targets = []
     for fd in os.listdir(fds):
-        try:
+        with contextlib.suppress(OSError):  # closed meanwhile
             targets.append(os.readlink(fds / fd))
-        except OSError:  # closed meanwhile
-            pass
     return targets
 
 
@@ -246,7 +246,7 @@ def test_a_refused_remote_export_leaks_no_descriptor_and_no_directory(servers, s
 
 # -- refusals never repeat a secret ------------------------------------------------------
 
-def test_a_refused_export_never_shows_its_urls_secrets(one_served, images, tmp_path):
+def test_a_refused_export_never_shows_its_urls_secrets(one_served, images, tmp_path):  # noqa: F811 - the fixture
     """An http image with a password and a token in its URL, whose .roothash beside it
     is no root hash: the reload's reply, the command's output and the server's log name
     the sidecar's URL without either (lighttpd ignores both)."""

@@ -5,11 +5,9 @@ socket; signatures made by openssl (tests/pki.py)."""
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import shutil
-import subprocess
 from pathlib import Path
 
 import nbd

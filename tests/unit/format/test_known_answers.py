@@ -14,7 +14,7 @@ import pytest
 from nbd_verity.format.builder import build_tree, verify_image
 from nbd_verity.format.params import VerityParams
 
-from ..golden import DATA_SIZE, GOLDEN, IDS
+from ...golden import DATA_SIZE, GOLDEN, IDS
 
 
 @pytest.fixture(scope="module")

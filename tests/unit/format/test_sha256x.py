@@ -26,7 +26,7 @@ from nbd_verity.format.digest import Digester, engines_present
 from nbd_verity.format.params import VerityParams
 from nbd_verity.limits import MAX_BLOCK_SIZE, MIN_BLOCK_SIZE
 
-from ..golden import DATA_SIZE, GOLDEN, IDS
+from ...golden import DATA_SIZE, GOLDEN, IDS
 
 _native = digest._native
 SHANI = _native is not None and _native.sha256_default_lanes() > 0

@@ -23,7 +23,7 @@ from nbd_verity.schedule.dispatch import Choice
 from nbd_verity.serve.device import Connection, Device
 from nbd_verity.serve.fastpath import SAMPLE_EVERY, never
 
-from .serverlib import FAST_PATH_ENV, MIB, control_request, flip_byte, read_general
+from ..serverlib import FAST_PATH_ENV, MIB, control_request, flip_byte, read_general
 
 pytestmark = pytest.mark.skipif(digest._native is None, reason="the fast path needs the "
                                 "native engine (not built, or NBD_VERITY_PURE=1)")

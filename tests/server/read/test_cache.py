@@ -13,7 +13,7 @@ import pytest
 from nbd_verity.prepare.config import config_from_pairs
 from nbd_verity.serve.device import Connection, Device
 
-from .serverlib import MIB, expect_eio, flip_byte, read_general
+from ..serverlib import MIB, expect_eio, flip_byte, read_general
 
 # offset, count: unaligned, several level-0 blocks; the first runs to the device's end (so
 # readahead has nothing past it to fetch), the second stops in the middle.

@@ -28,8 +28,8 @@ from nbd_verity.format.builder import build_tree
 from nbd_verity.format.digest import Digester, engines_present
 from nbd_verity.format.params import VerityParams
 
-from ..cli_runner import cli_runner
-from ..damage import flip_byte
+from ...cli_runner import cli_runner
+from ...damage import flip_byte
 
 # Algorithms whose hashlib name equals veritysetup's, so the model can call hashlib directly.
 MODEL_ALGORITHMS = ["sha256", "sha1", "md5", "sha512", "sha224"]

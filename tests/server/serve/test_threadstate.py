@@ -13,7 +13,7 @@ import pytest
 
 from nbd_verity.serve import threadstate
 
-from .serverlib import (
+from ..serverlib import (
     close_handle,
     control_request,
     raw_connect,

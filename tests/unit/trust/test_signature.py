@@ -26,7 +26,7 @@ from nbd_verity.trust.sidecar import (
 from nbd_verity.trust.signature import check_root_hash_signature, signed_content, verify_detached
 from nbd_verity.trust.signing import sign_root_hash
 
-from ..pki import ROOT_HEX, make_expired_identity, make_identity, openssl, smime_sign
+from ...pki import ROOT_HEX, make_expired_identity, make_identity, openssl, smime_sign
 
 
 @pytest.fixture(scope="module")

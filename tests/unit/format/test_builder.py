@@ -15,7 +15,7 @@ from nbd_verity.format import builder
 from nbd_verity.format.params import VerityParams
 from nbd_verity.sources.source import ImageFile
 
-from ..cli_runner import cli_runner
+from ...cli_runner import cli_runner
 
 
 def make_data(path: Path, size: int, seed: int = 7) -> Path:

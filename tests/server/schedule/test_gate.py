@@ -13,7 +13,7 @@ import nbd
 
 from nbd_verity.schedule.gate import WAIT_S
 
-from .serverlib import NBD_VERITY, control_request, wait_for
+from ..serverlib import NBD_VERITY, control_request, wait_for
 
 
 def thread_nices(pid: int) -> dict[int, int]:

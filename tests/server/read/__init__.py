@@ -1,0 +1,1 @@
+"""Server tests: the read mechanism (nbd_verity/read/)."""

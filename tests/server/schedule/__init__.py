@@ -1,0 +1,1 @@
+"""Server tests: the scheduling policy (nbd_verity/schedule/)."""

@@ -1,0 +1,1 @@
+"""Server tests: nbdkit's face (nbd_verity/serve/)."""

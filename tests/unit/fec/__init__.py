@@ -1,0 +1,1 @@
+"""Unit tests: forward error correction (nbd_verity/fec/)."""

@@ -1,0 +1,1 @@
+"""Unit tests: the on-disk format (nbd_verity/format/)."""

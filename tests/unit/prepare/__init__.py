@@ -1,0 +1,1 @@
+"""Unit tests: preparation (nbd_verity/prepare/)."""

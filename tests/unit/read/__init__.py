@@ -1,0 +1,1 @@
+"""Unit tests: the read mechanism (nbd_verity/read/)."""

@@ -1,0 +1,1 @@
+"""Unit tests: the scheduling policy (nbd_verity/schedule/)."""

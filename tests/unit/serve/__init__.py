@@ -1,0 +1,1 @@
+"""Unit tests: nbdkit's face (nbd_verity/serve/)."""

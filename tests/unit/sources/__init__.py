@@ -1,0 +1,1 @@
+"""Unit tests: image sources (nbd_verity/sources/)."""

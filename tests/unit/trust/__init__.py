@@ -1,0 +1,1 @@
+"""Unit tests: the root of trust (nbd_verity/trust/)."""
