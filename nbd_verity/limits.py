@@ -10,6 +10,8 @@ VERITY_MAX_LEVELS]; the request limit is the NBD one we advertise to nbdkit.
 
 from __future__ import annotations
 
+import os
+
 MIN_BLOCK_SIZE = 512  # bytes, data and hash blocks alike
 MAX_BLOCK_SIZE = 512 * 1024
 MAX_SALT_SIZE = 256  # bytes: the superblock's salt field
@@ -53,3 +55,9 @@ def salt_size_problem(size: int) -> str | None:
     """The message for a salt too long (None when it fits)."""
     return None if salt_size_ok(size) else (f"salt: {size} bytes exceeds the maximum of "
                                             f"{MAX_SALT_SIZE}")
+
+
+def switched_off(env: str) -> bool:
+    """Whether an on/off switch of the environment (NBD_VERITY_FAST_PATH and the like,
+    for tests and measurements; none is a setting) is off: 0, false, no or off."""
+    return os.environ.get(env, "").strip().lower() in ("0", "false", "no", "off")

@@ -25,11 +25,11 @@ docs/decisions/gate.md.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 
 from ..ioclass import RANK
+from ..limits import switched_off
 
 RANKS = 3
 QUIET_S = 0.008  # a better rank stays busy this long after its last request ended
@@ -150,5 +150,5 @@ class ClassGate:
 
 
 GATE_ENV = "NBD_VERITY_CLASS_PRIORITY"  # 0: the gate off (nothing counted, nobody waits)
-gate = ClassGate(enabled=os.environ.get(GATE_ENV, "") not in ("0", "false", "no", "off"))
+gate = ClassGate(enabled=not switched_off(GATE_ENV))
 # the server's (serve/callbacks.py); tests make their own

@@ -12,7 +12,7 @@ read), goes to the general path from the start (Connection.read), which stays th
 reference: the request's bytes, error and counters are its own there. A learned
 request's choice goes with it (dispatch.Choice), never made twice.
 Invariants: what it counts (ctl stats) equals the general path's for the same request
-(tests/server/test_fastpath.py compares every answer and counter); one request in
+(tests/server/serve/test_fastpath.py compares every answer and counter); one request in
 SAMPLE_EVERY per thread has its latency timed (every learned one: its cost is a sample).
 Locking: none. It writes only this thread's rows of the general path's own Tallies
 (read/tally.py: each row has one writer, its thread) and the cache's LRU order, as
@@ -24,13 +24,12 @@ NBD_VERITY_FAST_PATH=0 turns it off, for tests that run every suite on both path
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from threading import get_ident
 from time import perf_counter
 
 from ..control.table import INLINE, POOL
-from ..limits import MAX_REQUEST_SIZE
+from ..limits import MAX_REQUEST_SIZE, switched_off
 from ..schedule.dispatch import Choice
 from ..schedule.learn import LEARN_MIN
 
@@ -42,7 +41,7 @@ def enabled(device) -> bool:
     """Whether the requests of a device (a device.Device) may take the fast path at all:
     its options and sources allow it, and the environment does not turn it off."""
     verifier = device.verifier
-    return (os.environ.get(FAST_PATH_ENV, "") not in ("0", "false", "no", "off")
+    return (not switched_off(FAST_PATH_ENV)
             and verifier.fast_path_ready and device.fec is None)  # ready: a local file
 
 

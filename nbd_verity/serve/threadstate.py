@@ -16,7 +16,7 @@ down when clients leave.
 
 from __future__ import annotations
 
-import os
+from ..limits import switched_off
 
 KEEP_ENV = "NBD_VERITY_KEEP_THREAD_STATE"
 
@@ -36,7 +36,7 @@ def _none() -> int:
 
 def enabled() -> bool:
     return (_threadstate is not None
-            and os.environ.get(KEEP_ENV, "") not in ("0", "false", "no", "off"))
+            and not switched_off(KEEP_ENV))
 
 
 if enabled():
