@@ -389,3 +389,12 @@ def reads_across_an_outage(h, expected: bytes, outage, chunk: int = 64 << 10) ->
 def read_general(conn, buf, offset, chosen=None):
     """The general path, as the callbacks' pread takes it after the fast path."""
     conn.device.dispatcher.read(buf, offset, conn, chosen)
+
+
+def connect(server, name: str):
+    """A libnbd handle on server's socket, to export name (closed with the server)."""
+    h = nbd.NBD()
+    server.handles.append(h)
+    h.set_export_name(name)
+    h.connect_unix(server.socket)
+    return h

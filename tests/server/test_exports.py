@@ -18,6 +18,7 @@ from ..pki import make_identity
 from .serverlib import (
     MIB,
     NBD_VERITY,
+    connect,
     control_request,
     error_number,
     expect_eio,
@@ -66,14 +67,6 @@ def served(exports_dir, servers, sockdir):
     server = servers.serve_cli(["--exports", str(exports_dir), "--control", control])
     server.control = control
     return server
-
-
-def connect(server, name: str):
-    h = nbd.NBD()
-    server.handles.append(h)
-    h.set_export_name(name)
-    h.connect_unix(server.socket)
-    return h
 
 
 def read_all(h) -> bytes:

@@ -13,7 +13,7 @@ import nbd
 
 from nbd_verity.schedule.gate import WAIT_S
 
-from ..serverlib import NBD_VERITY, control_request, wait_for
+from ..serverlib import NBD_VERITY, connect, control_request, wait_for
 
 
 def thread_nices(pid: int) -> dict[int, int]:
@@ -27,14 +27,6 @@ def thread_nices(pid: int) -> dict[int, int]:
             continue  # the thread ended meanwhile (between the listing and the read)
         out[int(tid)] = int(fields[16])  # after "pid (comm)": state is field 3, nice 19
     return out
-
-
-def connect(server, name: str):
-    h = nbd.NBD()
-    server.handles.append(h)
-    h.set_export_name(name)
-    h.connect_unix(server.socket)
-    return h
 
 
 def test_classes_rank_requests_not_threads(default_image, servers):
