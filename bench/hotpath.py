@@ -51,6 +51,7 @@ def measure(data: str, hash_path: str, root: str) -> list[dict]:
                                        ("readahead", "false")]))
     device.start_threads()
     conn, fd = Connection(device), os.open(data, os.O_RDONLY)
+    read = device.dispatcher.read  # the general path, as pread takes it
     rows = []
     try:
         for size in SIZES:
@@ -59,10 +60,10 @@ def measure(data: str, hash_path: str, root: str) -> list[dict]:
             row = {"size": size}
             for mode, threshold in (("inline", MAX_REQUEST_SIZE), ("pool", 0)):
                 device.dispatcher.set_table((threshold,) * 4)
-                row[mode] = _per_request(lambda o, b=buf: conn.read(b, o), offsets)
+                row[mode] = _per_request(lambda o, b=buf: read(b, o, conn), offsets)
             device.dispatcher.set_table((MAX_REQUEST_SIZE,) * 4)
-            row["fast"] = _per_request(lambda o, b=buf: conn.fast(b, o) or conn.read(b, o),
-                                       offsets)
+            row["fast"] = _per_request(  # the fast path, else the general one with its choice
+                lambda o, b=buf: (c := conn.fast(b, o)) is True or read(b, o, conn, c), offsets)
             row["preadv"] = _per_request(lambda o, b=buf: os.preadv(fd, [b], o), offsets)
             base = hashlib.sha256(os.urandom(32))
 

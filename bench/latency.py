@@ -93,7 +93,7 @@ def inprocess_run(image: images.Image, hash_location: str, bs: int, readahead: b
         connection, buf = Connection(device), memoryview(bytearray(bs))
         started = time.perf_counter()
         for offset in range(0, device.size, bs):
-            connection.read(buf, offset)
+            device.dispatcher.read(buf, offset, connection)
         elapsed = time.perf_counter() - started
         totals = device.stats()["totals"]
     finally:
