@@ -8,7 +8,7 @@ play (FEC, ignore-zero-blocks, check-at-most-once, Merkle readahead, a data imag
 is not a local file, the pure-Python engine). For it bind()'s function reads and
 verifies straight into nbdkit's buffer with one read_verify call and counts what the
 general path would count. Anything else, and any failure here (a mismatch, a short
-read), goes to the general path from the start (Connection.read), which stays the
+read), goes to the general path from the start (Dispatcher.read), which stays the
 reference: the request's bytes, error and counters are its own there. A learned
 request's choice goes with it (dispatch.Choice), never made twice.
 Invariants: what it counts (ctl stats) equals the general path's for the same request
@@ -54,7 +54,7 @@ def bind(connection) -> Callable[[object, int], object]:
     """The fast path of one connection (a device.Connection, which calls this: not
     imported here, so that the import runs one way): fast(buf, offset) -> True when it
     answered the request (buf filled and verified); else None, or the learner's Choice
-    for it, for the general path (Connection.read)."""
+    for it, for the general path (Dispatcher.read)."""
     device = connection.device
     if connection.readahead is not None or not device.fast_path:
         return never
