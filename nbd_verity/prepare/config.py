@@ -17,9 +17,7 @@ from ..format.digest import parse_salt
 from ..format.roothash import root_hash_text
 from ..logbound import DEFAULT_LOG_RATE
 from ..read.cache import DEFAULT_CACHE_SIZE
-from ..read.counters import EIO, IGNORE_CORRUPTION, MODES, RESTART_ON_CORRUPTION  # noqa: F401 (config's words)
-
-# dm-verity's error modes (docs/server.md, "Error modes"): the one home of their names.
+from ..read.counters import EIO, MODES
 
 READAHEAD_MIN_SIZE = 128 << 10  # a request this large triggers Merkle readahead
 # nbdkit thread models by name. SERIALIZE_REQUESTS is the default: requests of one

@@ -11,7 +11,8 @@ settle the root of trust, check the tree (device.py).
 from __future__ import annotations
 
 from ..errors import ConfigError
-from .config import IGNORE_CORRUPTION, RESTART_ON_CORRUPTION, absolute_file, plugin_pairs
+from ..read.counters import IGNORE_CORRUPTION, RESTART_ON_CORRUPTION
+from .config import absolute_file, plugin_pairs
 
 
 def settle_ddi_arguments(options: dict) -> None:

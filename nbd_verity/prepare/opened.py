@@ -33,6 +33,14 @@ class OpenedImage:
 
     def __init__(self, config: ServerConfig,
                  stopping: Callable[[], bool] = lambda: False) -> None:
+        self.data = self.hashes = self.fec = None
+        try:
+            self._open(config, stopping)
+        except BaseException:  # refused: what was opened is closed (a reload refuses again)
+            self.close()
+            raise
+
+    def _open(self, config: ServerConfig, stopping: Callable[[], bool]) -> None:
         self.ddi = open_ddi_of(config)  # a Discoverable Disk Image, or None
         if self.ddi is None:
             self.trust = trusted_root(config)
@@ -87,10 +95,9 @@ class OpenedImage:
             getattr(source, "reset_counters", lambda: None)()
 
     def close(self) -> None:
-        self.data.close()
-        self.hashes.close()
-        if self.fec is not None:
-            self.fec.close()
+        for opened in (self.data, self.hashes, self.fec):
+            if opened is not None:
+                opened.close()
 
 
 def open_ddi_of(config: ServerConfig):

@@ -9,7 +9,8 @@ from typing import ClassVar
 
 from .tally import Tally
 
-# what a corruption does (error-mode): the kernel's default and its two options
+# dm-verity's error modes (docs/server.md, "Error modes"), the one home of their names:
+# what a corruption does (error-mode), the kernel's default and its two options
 EIO, IGNORE_CORRUPTION, RESTART_ON_CORRUPTION = "eio", "ignore-corruption", "restart-on-corruption"
 MODES = (EIO, IGNORE_CORRUPTION, RESTART_ON_CORRUPTION)
 MAX_LOGGED_ERRORS = 100  # the kernel's DM_VERITY_MAX_CORRUPTED_ERRS

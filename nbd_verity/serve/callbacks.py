@@ -35,11 +35,11 @@ from nbd_verity.limits import MAX_REQUEST_SIZE
 from nbd_verity.log import log
 from nbd_verity.prepare.config import (
     PARALLEL,
-    RESTART_ON_CORRUPTION,
     SERIALIZE_ALL_REQUESTS,
     SERIALIZE_REQUESTS,
     ConfigBuilder,
 )
+from nbd_verity.read.counters import RESTART_ON_CORRUPTION
 from nbd_verity.schedule import gate
 from nbd_verity.serve import device, nbdkit_compat, threadstate
 
@@ -189,8 +189,7 @@ def config_complete():
 
 def get_ready():
     global _server
-    hooks = device.Hooks(export_name=nbdkit.export_name, peer_pid=_peer_pid,
-                         stopping=_stopping, may_name=_may_name)
+    hooks = device.Hooks(peer_pid=_peer_pid, stopping=_stopping, may_name=_may_name)
     if _config.exports is not None:
         from nbd_verity.serve.exportset import ExportSet  # many images, one server
         _server = ExportSet(_config, hooks)

@@ -6,8 +6,8 @@ its fast path and, for a one-image server, its control socket; a Connection is o
 client, with its I/O class, its Merkle readahead window, its last learned request and
 its fast path. serve/callbacks.py calls them and turns their exceptions into errno values
 (and decides what restart-on-corruption does). This module does not import nbdkit, so it
-also runs (and is tested) outside nbdkit; the nbdkit services it needs (export name,
-peer pid) are passed in as Hooks.
+also runs (and is tested) outside nbdkit; the nbdkit services it needs (peer pid,
+shutdown, permission to name a class) are passed in as Hooks.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ class Shared:
 
     table: tuple[int, ...]
     workers: int
-    pool: Callable  # () -> the server's ClassPool, made on first use
+    pool: Callable | None  # () -> the server's ClassPool, made on first use (None: own)
     pinned: frozenset = frozenset()  # classes set explicitly (dispatch.py)
 
 
@@ -46,7 +46,6 @@ class Shared:
 class Hooks:
     """nbdkit services, provided by the plugin (defaults outside nbdkit)."""
 
-    export_name: Callable[[], str] = lambda: ""
     peer_pid: Callable[[], int] = lambda: -1
     may_name: Callable[[int], bool] = lambda io_class: True  # a class above the default
     stopping: Callable[[], bool] = lambda: False  # nbdkit shutting down: NBD waits end
@@ -59,7 +58,6 @@ class Device:
                  shared: Shared | None = None) -> None:
         self.config = config
         self.hooks = hooks or Hooks()
-        self.shared = shared
         image = OpenedImage(config, self.hooks.stopping)
         self.image = image
         self.ddi, self.trust, self.data, self.hashes = (image.ddi, image.trust, image.data,
@@ -67,15 +65,13 @@ class Device:
         self.hash_path, self.params, self.geo = image.hash_path, image.params, image.geo
         self.cache, self.fec, self.verifier = image.cache, image.fec, image.verifier
         self.explicit = explicit_thresholds(config)  # --threshold: always wins
-        table, pinned = loaded(config.threshold_preset, self.explicit)
         self.default_class = class_index(config.default_class, "default-class")
-        self.dispatcher = (
-            Dispatcher(self.verifier.read, self.geo.data_block_size, table, config.workers,
-                       pinned=pinned, counters=self.verifier.counters)
-            if shared is None else
-            Dispatcher(self.verifier.read, self.geo.data_block_size, shared.table,
-                       shared.workers, shared_pool=shared.pool, pinned=shared.pinned,
-                       counters=self.verifier.counters))
+        if shared is None:  # its own table and pool; else the many-export server's
+            table, pinned = loaded(config.threshold_preset, self.explicit)
+        serving = shared or Shared(table, config.workers, None, pinned)
+        self.dispatcher = Dispatcher(self.verifier.read, self.geo.data_block_size,
+                                     serving.table, serving.workers, shared_pool=serving.pool,
+                                     pinned=serving.pinned, counters=self.verifier.counters)
         # Readahead by default only where reads have latency of their own: for a local
         # file the kernel's page cache reads the hash image ahead already (benchmarks.md).
         self.readahead = (config.readahead if config.readahead is not None
@@ -95,14 +91,22 @@ class Device:
 
     def open(self, export_name: str) -> Connection:
         """A client's connection (the name may choose its class: `@CLASS`)."""
-        return Connection.open(self)
+        return Connection.open(self, export_name)
 
     def closed(self, connection: Connection) -> None:
         """A client has gone (nothing of the image's to release)."""
 
     def list(self) -> list[tuple[str, str]]:
         """The one export, unnamed, for NBD_OPT_LIST."""
-        return [("", f"verified, {self.size} bytes, root hash {self.trust.root_hex[:16]}...")]
+        return [("", self.description())]
+
+    def description(self) -> str:
+        """What `nbdinfo --list` shows beside the export's name."""
+        trust = self.trust
+        signer = (f"signed by {trust.signature.signer.subject}" if trust.signature
+                  else "unsigned")
+        return (f"verified, {self.size} bytes, root hash {trust.root_hex[:16]}..., "
+                f"{signer}")
 
     def corruptions(self) -> int:
         return self.verifier.counters.corruptions
@@ -163,10 +167,10 @@ class Connection(Client):
         self.fast = fastpath.bind(self)  # after cycle, which it holds
 
     @classmethod
-    def open(cls, device: Device) -> Connection:
+    def open(cls, device: Device, export_name: str = "") -> Connection:
         """A new connection, its class chosen by export name, peer ioprio or default."""
         hooks = device.hooks
-        io_class = connection_class(hooks.export_name(), hooks.peer_pid(),
+        io_class = connection_class(export_name, hooks.peer_pid(),
                                     device.default_class, hooks.may_name)
         return cls(device, io_class)
 

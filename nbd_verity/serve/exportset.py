@@ -67,11 +67,7 @@ class Export:
 
     def description(self) -> str:
         """What `nbdinfo --list` shows beside the name."""
-        trust = self.device.trust
-        signer = (f"signed by {trust.signature.signer.subject}" if trust.signature
-                  else "unsigned")
-        return (f"verified, {self.device.size} bytes, root hash {trust.root_hex[:16]}..., "
-                f"{signer}")
+        return self.device.description()
 
     def close(self) -> None:
         self.device.close()
@@ -140,7 +136,7 @@ class ExportSet:
                 raise ConfigError(f"export {name!r}: not served here (served: {served})")
             export.connections += 1
         try:
-            connection = Connection.open(export.device)
+            connection = Connection.open(export.device, export_name)
         except BaseException:
             self._left(export)
             raise

@@ -93,7 +93,7 @@ def _run(future: Future, gate, function, args) -> None:
             return
         try:
             future.set_result(function(*args))
-        except BaseException as e:
+        except BaseException as e:  # handed to the reload as its reason
             future.set_exception(e)
 
 

@@ -23,10 +23,10 @@ argv holds the URL without its user part's password and without its query.
 - a URL with a query (a presigned URL's token or signature): nbdkit 1.32 reads no plugin key but
   a password from a file, so such a URL is read by our own small plugin, httpread.py, which
   takes the whole URL as `url-file=FILE`;
-- s3:// credentials come from the environment or a credentials file (s3.py). FILE is 0600 in the
-  private directory; both plugins read it once, at config time, so it is removed as soon as the
-  upstream is ready (or has failed to start). Every message names URLs through redact(): no
-  password and no query.
+- s3:// credentials come from the environment or a credentials file (s3.py).
+FILE is 0600 in the private directory; both plugins read it once, at config time, so it is
+removed as soon as the upstream is ready (or has failed to start). Every message names URLs
+through redact(): no password and no query.
 """
 
 from __future__ import annotations
@@ -255,7 +255,7 @@ class _Spawner:
             argv, env, done = jobs.get()
             try:
                 done.set_result(_Spawner._popen(argv, env))
-            except BaseException as e:
+            except BaseException as e:  # raised in the caller's thread
                 done.set_exception(e)
 
 

@@ -244,6 +244,27 @@ def test_a_refused_remote_export_leaks_no_descriptor_and_no_directory(servers, s
         web.stop()
 
 
+def test_an_export_refused_after_its_images_opened_leaks_no_descriptor(one_served, images,
+                                                                         tmp_path):
+    """A local export whose root hash is not its tree's: its data and hash images are open
+    when the root is found wrong, and every reload refuses it again. The server's files
+    stay as they were (each refusal closes what it opened)."""
+    directory, server = one_served
+    wrong = "0" * len(images["two"].root)
+    (directory / "wrong.conf").write_text(f"DATA={images['two'].data}\n"
+                                          f"HASH={images['two'].hash}\nROOT_HASH={wrong}\n")
+    files = None
+    for _ in range(4):
+        report = reload(server)
+        assert "does not match the top of the tree" in report["refused"][
+            str(directory / "wrong.conf")], report
+        now = sorted(t for t in open_fds(server.pid) if not t.startswith("socket:"))
+        files = files or now
+        assert now == files
+    assert str(images["two"].data) not in files and str(images["two"].hash) not in files
+    assert sorted(exports(server)) == ["one"]
+
+
 # -- refusals never repeat a secret ------------------------------------------------------
 
 def test_a_refused_export_never_shows_its_urls_secrets(one_served, images, tmp_path):  # noqa: F811 - the fixture
