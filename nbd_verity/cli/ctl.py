@@ -69,8 +69,6 @@ def thresholds_cmd(control: str, assignments, preset, as_json) -> None:
     for name in CLASSES:
         click.echo(f"{name:<5} {reply['thresholds'][name]}" + ("  (pinned)" if name in pinned
                                                                else ""))
-    for line in learned_lines(reply.get("learned", {})):
-        click.echo(line)
 
 
 EXPORT_OPTION = click.option("--export", "export", default=None, metavar="NAME",
@@ -183,7 +181,6 @@ def format_stats(stats: dict) -> str:
     lines.append("  ".join(f"{k} {v}" for k, v in totals.items()))
     if "class_gate" in stats:
         lines.append(dispatch_line(stats))
-    lines.extend(learned_lines(stats.get("learned", {})))
     if "trust" in stats:
         lines.append(trust_line(stats["trust"]))
     return "\n".join(lines)
@@ -198,29 +195,6 @@ def dispatch_line(stats: dict) -> str:
                      f"{row['waited_s']:.1f} s)"
                      for rank, row in stats["class_gate"].items() if rank != "rt")
     return f"dispatch  pinned {pinned}  busy inline {busy}  waited for a better class: {gate}"
-
-
-def learned_lines(learned: dict) -> list[str]:
-    """Per class that took requests of 512 KiB or more (unpinned) and per load (how many
-    clients sent them): what served each size best lately, in microseconds per MiB
-    inline and on the pool, the pool's cost as a share of inline's within the trials
-    (what decides), and the choice."""
-    lines = []
-    for name, per_class in learned.items():
-        for clients, row in per_class["loads"].items():
-            sizes = "  ".join(f"{int(size) >> 10}K: {_us(b['inline_us_per_mib'])}/"
-                              f"{_us(b['pool_us_per_mib'])} us/MiB{_ratio(b)} "
-                              f"{b['choice'] or '-'}" for size, b in row["buckets"].items())
-            start = row["pool_from"]
-            who = "1 client" if clients == "1" else f"{clients} clients"
-            lines.append(f"learned {name}, {who}: pool from {start >> 10 if start else '-'}"
-                         f"{'K' if start else ''} (inline/pool: {sizes})")
-    return lines
-
-
-def _ratio(bucket: dict) -> str:
-    ratio = bucket.get("pool_to_inline")
-    return "" if ratio is None else f" pool x{ratio:.2f}"
 
 
 def trust_line(trust: dict) -> str:

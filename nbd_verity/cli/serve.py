@@ -45,10 +45,10 @@ from .common import edge, fec_options, image_arguments, s3_options
 @click.option("--threshold", "thresholds", multiple=True, metavar="CLASS=BYTES",
               help="Inline threshold of one I/O class (none, rt, be, idle); repeatable.")
 @click.option("--threshold-preset", default=None, metavar="NAME",
-              help="Start from a preset table: default (measured at start-up, then "
-                   "learned from live requests, the pool taken only when a worker is free), "
-                   "or one that pins every class: fixed (1M each), seed (4096 each), "
-                   "kernel.")
+              help="Start from a preset table: default (256K each; above it, requests of "
+                   "512K or more take the pool only while few are served and a worker is "
+                   "free), or one that pins every class: fixed (1M each), seed (4096 "
+                   "each), kernel.")
 @click.option("--workers", type=click.IntRange(0, 256), default=None,
               help="Verification pool threads (default: number of CPUs).")
 @click.option("--default-class", default=None, metavar="CLASS",

@@ -220,10 +220,8 @@ class Control:
                 table = dispatcher.table
         except ConfigError as e:
             raise ProtocolError(str(e)) from None
-        learner = getattr(dispatcher, "learner", None)  # a many-export server: per export
         return {"thresholds": table_dict(table),
-                "pinned": [CLASSES[c] for c in sorted(dispatcher.pinned)],
-                "learned": learner.snapshot() if learner is not None else {}}
+                "pinned": [CLASSES[c] for c in sorted(dispatcher.pinned)]}
 
     def _stats(self, request: dict) -> dict:
         reply = {"stats": self.device.stats()}

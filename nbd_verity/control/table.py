@@ -15,9 +15,10 @@ from ..limits import MAX_REQUEST_SIZE
 INLINE, POOL = "inline", "pool"  # the two paths a request can take
 FIXED = (1 << 20,) * 4  # measured once on 2 cores with the native engine (docs/control.md)
 # inline up to one pool chunk (schedule/dispatch.POOL_CHUNK_SIZE), which gets nothing from
-# the pool but its hand-off; larger requests of a class nobody pinned are the learner's
+# the pool but its hand-off; larger requests of a class nobody pinned take the pool when
+# it takes them (schedule/dispatch.py)
 DEFAULT = (256 << 10,) * 4
-ADAPTIVE = "default"  # the preset under which classes nobody pinned learn (schedule/learn.py)
+ADAPTIVE = "default"  # the preset under which the load decides above it (dispatch.py)
 PRESETS = {
     "default": DEFAULT,
     "fixed": FIXED,
@@ -53,8 +54,9 @@ def updated_table(table: tuple[int, ...], changes: dict) -> tuple[int, ...]:
 
 def loaded(name: str, explicit: dict) -> tuple[tuple[int, ...], frozenset]:
     """A preset's table with the explicit thresholds (--threshold) over it, and the classes
-    it pins: under `default` only the explicit ones (the others learn above their
-    threshold, schedule/learn.py), under a fixed preset every class (the table decides)."""
+    it pins: under `default` only the explicit ones (above their threshold, the others'
+    requests take the pool when it takes them: schedule/dispatch.py), under a fixed
+    preset every class (the table decides)."""
     table = updated_table(preset(name), explicit)
     if name == ADAPTIVE:
         return table, frozenset(class_index(str(c), "threshold") for c in explicit)

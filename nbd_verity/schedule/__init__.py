@@ -1,2 +1,2 @@
-"""The scheduling policy: inline or pool, classes ranked, the learner; a layer over the
-verifier's read with the same interface."""
+"""The scheduling policy: inline or pool, the load, classes ranked; a layer over
+the verifier's read with the same interface."""

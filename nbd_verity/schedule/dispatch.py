@@ -4,19 +4,19 @@ Dispatcher.read has the verifier's read interface (buf, offset) plus the request
 A request up to its class's threshold is verified inline, on the nbdkit thread that
 received it; a larger one is split on chunk boundaries (POOL_CHUNK_SIZE) and verified
 across the pool (pool.py; the native engine hashes with the GIL released), and completes
-when every chunk has. For a class nobody pinned, a request of LEARN_MIN bytes or more
-takes the learner's path (learn.py); one that should take the pool goes there only while
-such requests are at most half the workers and a worker is free (pool.claim), else it is
-verified inline (`busy_inline`). A threshold set with --threshold or `ctl thresholds`
-pins its class: the table alone decides, exactly.
+when every chunk has. For a class nobody pinned, a request of SHARED_MIN bytes or more
+goes to the pool only when the pool takes it (pool.take: the clients that sent such
+requests lately, the load, are at most half the workers, and a worker is free); else it
+is verified inline, in its own thread, instead of queueing behind other clients' chunks
+(`busy_inline`). A threshold set with --threshold or `ctl thresholds` pins its class:
+the table alone decides, exactly.
 Invariants: the table is a tuple replaced whole (control/table.py has the presets and
 checks); a request reads it once, and a change applies from the next request on. Every
 chunk of a request has ended before the request returns, and its error is the first
 failing chunk's in offset order, as inline would have raised it.
 Locking: none per request. PathStats counts in per-thread rows (read/tally.py) and
-appends latencies to deques (atomic); a connection's Cycle is written only by the
-thread serving that connection's request.
-Why: docs/decisions/dispatch.md and docs/decisions/learner.md.
+appends latencies to deques (atomic); take() is the pool's (lock-free).
+Why: docs/decisions/dispatch.md.
 """
 
 from __future__ import annotations
@@ -31,48 +31,20 @@ from ..errors import ImageIOError
 from ..ioclass import CLASSES
 from ..log import log
 from ..read.tally import Tally
-from .learn import LEARN_MIN, Learner
 from .pool import ClassPool
 
-CYCLE_GAP_S = 0.05  # a client quiet longer than this: the request alone is the sample
-
 POOL_CHUNK_SIZE = 256 << 10  # bytes per pool task: measured best of 64K..256K (docs/control.md)
+SHARED_MIN = 2 * POOL_CHUNK_SIZE  # an unpinned class's request the pool must take: two
+                                  # chunks (a smaller one gets nothing but its hand-off)
 LATENCY_SAMPLES = 4096  # recent latencies kept per class and path, for percentiles
-
-
-class Cycle:
-    """A connection's last learned request, whose cost (learn.py: its cycle as its client
-    sees it) is recorded when the connection's next request comes; started 0.0: none."""
-
-    __slots__ = ("ended", "io_class", "length", "load", "path", "started")
-
-    def __init__(self) -> None:
-        self.started = 0.0
-
-    def hold(self, started: float, ended: float, length: int, path: str, load: int,
-             io_class: int) -> None:
-        self.ended, self.length, self.path, self.load = ended, length, path, load
-        self.io_class = io_class
-        self.started = started  # last: a reader that sees it sees the rest
 
 
 class Client:
     """The scheduling layer's view of one connection (serve/device.Connection is one):
-    its I/O class, its last learned request (a Cycle; None: each request alone) and its
-    Merkle readahead window (read/readahead.py; None: off)."""
+    its I/O class and its Merkle readahead window (read/readahead.py; None: off)."""
 
-    def __init__(self, io_class: int, cycle: Cycle | None = None, readahead=None) -> None:
-        self.io_class, self.cycle, self.readahead = io_class, cycle, readahead
-
-
-class Choice:
-    """The learner's choice for one request, made by the fast path (serve/fastpath.py),
-    which hands the request to read() with it, so that it is not chosen twice."""
-
-    __slots__ = ("came", "load", "path")
-
-    def __init__(self, path: str, load: int, came: float) -> None:
-        self.path, self.load, self.came = path, load, came
+    def __init__(self, io_class: int, readahead=None) -> None:
+        self.io_class, self.readahead = io_class, readahead
 
 
 def decide(table: tuple[int, ...], io_class: int, length: int) -> str:
@@ -152,10 +124,6 @@ class Dispatcher:
         self.chunk_size = max(block_size, POOL_CHUNK_SIZE - POOL_CHUNK_SIZE % block_size)
         self.stats = PathStats()
         self._busy_inline = Tally(len(CLASSES))  # pool-sized, verified inline: pool busy
-        # the unpinned classes' choice at LEARN_MIN bytes and more; the rule's workers are
-        # those that can run at once (no more than the CPUs this process may use)
-        cores = min(self.workers, len(os.sched_getaffinity(0)))
-        self.learner = Learner(cores=cores, spread=2 * self.chunk_size)
         self._pool: ClassPool | None = None
         self._shared_pool = shared_pool  # a many-export server's: () -> its one pool
         self._start_lock = threading.Lock()
@@ -168,6 +136,10 @@ class Dispatcher:
                 self._pool = (self._shared_pool() if self._shared_pool is not None else
                               ClassPool(self.workers))
             return self._pool
+
+    def pool(self) -> ClassPool:
+        """The pool (started, or the server's shared one)."""
+        return self._pool or self.start()
 
     def busy_inline(self) -> dict[str, int]:
         """Per class: pool-sized requests verified inline because no worker was free."""
@@ -183,94 +155,46 @@ class Dispatcher:
         if pinned is not None:
             self.pinned = frozenset(pinned)
 
-    def read(self, buf: memoryview, offset: int, client: Client,
-             chosen: Choice | None = None) -> None:
+    def read(self, buf: memoryview, offset: int, client: Client) -> None:
         """Verify len(buf) bytes at offset into buf for client (a Client: its class, its
-        last learned request, its readahead window), inline or across the pool; chosen:
-        the fast path's choice for this request (None: choose here). A learned request's
-        cost is its whole cycle as its client sees it (see learned); with no Cycle, the
-        request alone.
-
-        Every microsecond of Python here is one the client waits for (decisions/learner.md),
-        so a request records its connection's last learned sample once its own path is
-        chosen, and one sent to the pool does it while the workers verify its chunks."""
+        readahead window), inline or across the pool. A request of a class nobody pinned
+        that its threshold sends to the pool and that spans two chunks (SHARED_MIN) goes
+        there only when the pool takes it (pool.take); else it is verified here."""
         length = len(buf)
         if not length:
             return
         if client.readahead is not None:
             client.readahead.before_read(offset, length)
-        io_class, clock = client.io_class, client.cycle
-        sample = None  # a learned request's (path chosen, load): its cost is a sample
-        if chosen is not None:  # chosen by the fast path: not chosen twice
-            path, now = chosen.path, chosen.came
-            sample = (path, chosen.load)
-        else:
-            now = time.perf_counter()
-            path = decide(self.table, io_class, length)
-            if io_class not in self.pinned and length >= LEARN_MIN:
-                load = self.learner.load(id(clock), now)
-                path = self.learner.choose(io_class, length, path, load)
-                sample = (path, load)
-        cycle = now if clock is not None and clock.started else None  # ends the last one's
-        pool = claimed = None
-        if sample is not None and path == POOL:
-            pool = self._pool or self.start()
-            claimed = id(buf)  # no other request being served has this buffer
-            if not pool.claim(claimed):  # the cores are taken: verified here, no queueing
-                self._busy_inline.row()[io_class] += 1
-                path = INLINE  # the sample stays the pool's: what choosing it gets the client
+        io_class = client.io_class
+        path = decide(self.table, io_class, length)
+        if (path == POOL and length >= SHARED_MIN and io_class not in self.pinned
+                and not self.pool().take(id(client), time.perf_counter())):
+            self._busy_inline.row()[io_class] += 1  # the cores are taken: verified here
+            path = INLINE
         try:
-            if cycle is not None and path == INLINE:
-                self.learned(clock, cycle)
             started = time.perf_counter()
             try:
                 if path == INLINE:
                     self._read(buf, offset)
                 else:
-                    self._read_in_pool(buf, offset, clock, cycle)
+                    self._read_in_pool(buf, offset)
             finally:  # failed requests count too, and their latency
-                ended = time.perf_counter()
-                self.stats.record(io_class, path, length, ended - started)
-                if sample is not None and clock is not None:  # taken at the next request
-                    clock.hold(started, ended, length, sample[0], sample[1], io_class)
-                elif sample is not None:
-                    self.learner.record(io_class, length, sample[0], ended - started,
-                                        started, sample[1])
+                self.stats.record(io_class, path, length, time.perf_counter() - started)
         except ImageIOError as e:  # the request's one count and line (nbdkit logs EIO too)
             if self._counters is not None:
                 self._counters.add(io_errors=1)
             log(str(e))
             raise
-        finally:
-            if claimed is not None:
-                pool.release(claimed)
 
-    def learned(self, clock: Cycle, now: float) -> None:
-        """The connection's previous learned request, now that its next one has come: its
-        cost is the time from its start to this one's (what its client waited for: the
-        verification, the reply's copies out of nbdkit and into the client, and the next
-        request's way in, which are not the same for both paths: on this 2-core VM one
-        client's 2 MiB reads were 8% faster on the pool as the client saw them, and 20%
-        slower on it timed inside the server). When the client was quiet for over
-        CYCLE_GAP_S in between, or sent this one before the last had ended, the request
-        alone is the sample. Requests the fast path answered in between (fastpath.py, which
-        does not come here) count into the cycle."""
-        started = clock.started
-        if not started:  # another request of the connection's took it (racy: rare)
-            return
-        clock.started = 0.0
-        ended = clock.ended
-        gap = now - ended
-        seconds = now - started if 0 <= gap <= CYCLE_GAP_S else ended - started
-        self.learner.record(clock.io_class, clock.length, clock.path, seconds, started,
-                            clock.load)
+    def busy(self, io_class: int) -> None:
+        """Count a pool-sized request verified inline because the pool did not take it
+        (the fast path's: serve/fastpath.py)."""
+        self._busy_inline.row()[io_class] += 1
 
-    def _read_in_pool(self, buf: memoryview, offset: int, clock: Cycle | None = None,
-                      cycle: float | None = None) -> None:
+    def _read_in_pool(self, buf: memoryview, offset: int) -> None:
         """Split on block boundaries into chunks, verify them in parallel, wait for all.
         The first failing chunk's error (in offset order) is the request's error, as the
-        inline path would have raised it first. clock and cycle: the connection's last
-        sample, recorded once the chunks are queued (read; cycle None: none)."""
+        inline path would have raised it first."""
         pool = self._pool or self.start()
         futures = []
         pos, end = offset, offset + len(buf)
@@ -281,8 +205,6 @@ class Dispatcher:
                 futures.append(pool.submit(self._read, buf[pos - offset:stop - offset],
                                            pos))
                 pos = stop
-            if cycle is not None:
-                self.learned(clock, cycle)
         finally:  # every chunk queued has ended before the buffer goes back
             error = None
             for future in futures:

@@ -9,18 +9,22 @@ the pool's own class order and per-class nice values met no bar the gate alone d
 Locking: workers wait on a queue of tokens, one put per queued chunk (and one None per
 worker to stop), as concurrent.futures' workers wait on theirs, and pop the chunk from a
 deque (its appends and pops need no lock); a worker marks its own slot busy. The lock
-guards only the start and the stop flag (a submit racing shutdown). claim() counts the
-requests in a set (its add, len and discard are each one step under the GIL) and reads
-the idle workers unlocked (a hint).
-Why tokens and a lock-free claim, with the figures: docs/decisions/pool.md.
+guards only the start and the stop flag (a submit racing shutdown). take() keeps each
+client's last time in a dict (a store, a copy and a pop are each one step under the
+GIL) and reads the idle workers unlocked (a hint).
+Why tokens and a lock-free take(), with the figures: docs/decisions/pool.md.
 """
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from collections import deque
 from concurrent.futures import Future
+
+LOAD_S = 0.25  # the load: clients that sent a pool-sized request within this many seconds
+LOAD_FRESH_S = 0.01  # ... counted again this long after the last count (a new client: now)
 
 
 class ClassPool:
@@ -34,8 +38,11 @@ class ClassPool:
         self._lock = threading.Lock()  # the start and the stop flag
         self._threads: list[threading.Thread] = []
         self._busy = [0] * workers  # per worker, its own: 1 while it runs a chunk
-        self._demand: set = set()  # the pool-sized requests being served now (claim())
-        self._half = max(1, workers // 2)  # ... while at most this many, the pool pays
+        self._recent: dict = {}  # client -> when it last sent a pool-sized request (take())
+        self._count = (float("-inf"), 0)  # (when counted, clients within load_s then)
+        self.load_s = LOAD_S
+        # the pool pays while its clients are at most half the workers that can run at once
+        self._half = max(1, min(workers, len(os.sched_getaffinity(0))) // 2)
         self._stopping = False
 
     def submit(self, fn, *args) -> Future:
@@ -53,18 +60,24 @@ class ClassPool:
         """Workers neither busy nor promised to a queued chunk (a hint, unlocked)."""
         return self.workers - sum(self._busy) - len(self._queue)
 
-    def claim(self, request: int) -> bool:
-        """Count a pool-sized request (a key no other one being served has: its buffer's
-        id) until release(request), whichever path serves it; whether it should take the
-        pool: only while such requests are at most half the workers (each then still gets
-        two cores) and a worker is free."""
-        demand = self._demand
-        demand.add(request)
-        return len(demand) <= self._half and self.idle_workers() > 0
-
-    def release(self, request: int) -> None:
-        """The end of a request claim() counted."""
-        self._demand.discard(request)
+    def take(self, client: int, now: float) -> bool:
+        """Whether a pool-sized request of client (a key: its connection's id) at now
+        (perf_counter) should take the pool: only while the clients that sent such requests
+        within LOAD_S, this one included, are at most half the workers that can run at
+        once (each then still gets two cores), and a worker is free. The count is redone
+        LOAD_FRESH_S after the last, or at once for a client not in it."""
+        recent = self._recent
+        new = client not in recent
+        recent[client] = now
+        when, clients = self._count
+        if new or not 0 <= now - when < LOAD_FRESH_S:
+            cutoff = now - self.load_s
+            for key, last in list(recent.items()):  # a copy: others store meanwhile
+                if last < cutoff:
+                    recent.pop(key, None)
+            clients = len(recent)
+            self._count = (now, clients)  # one assignment: a reader sees both or neither
+        return clients <= self._half and self.idle_workers() > 0
 
     def _start(self) -> None:
         for i in range(self.workers):

@@ -283,15 +283,14 @@ def pread(h, buf, offset, flags):
     # is busy, and counts it while a worse one watches (schedule/gate.py)
     counted = _gate.ranked and _gate.enter(h.io_class)
     try:
-        chosen = h.fast(buf, offset)  # the common request, in one frame more (fastpath.py)
-        if chosen is True:
+        if h.fast(buf, offset):  # the common request, in one frame more (fastpath.py)
             return
         if len(buf) > MAX_REQUEST_SIZE:  # nbdkit 1.32 does not enforce block_size's maximum
             problem = (errno.EINVAL, f"read of {len(buf)} bytes exceeds the maximum "
                                      f"{MAX_REQUEST_SIZE}")
-        else:  # the general path (schedule/dispatch.py), with the fast path's choice
+        else:  # the general path (schedule/dispatch.py)
             try:
-                h.device.dispatcher.read(memoryview(buf), offset, h, chosen)
+                h.device.dispatcher.read(memoryview(buf), offset, h)
                 return
             except CorruptionError as e:
                 if h.device.config.mode == RESTART_ON_CORRUPTION:

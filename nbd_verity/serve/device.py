@@ -3,11 +3,11 @@
 A Device is an image opened, trusted and checked (prepare/opened.py) with what serves it:
 its dispatcher (schedule/dispatch.py, over the verifier's read), its readahead choice,
 its fast path and, for a one-image server, its control socket; a Connection is one
-client, with its I/O class, its Merkle readahead window, its last learned request and
-its fast path. serve/callbacks.py calls them and turns their exceptions into errno values
-(and decides what restart-on-corruption does). This module does not import nbdkit, so it
-also runs (and is tested) outside nbdkit; the nbdkit services it needs (peer pid,
-shutdown, permission to name a class) are passed in as Hooks.
+client, with its I/O class, its Merkle readahead window and its fast path.
+serve/callbacks.py calls them and turns their exceptions into errno values (and decides
+what restart-on-corruption does). This module does not import nbdkit, so it also runs
+(and is tested) outside nbdkit; the nbdkit services it needs (peer pid, shutdown,
+permission to name a class) are passed in as Hooks.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from ..ioclass import CLASSES, class_index, connection_class
 from ..prepare.config import ServerConfig, explicit_thresholds
 from ..prepare.opened import OpenedImage
 from ..read.readahead import Readahead
-from ..schedule.dispatch import Client, Cycle, Dispatcher
+from ..schedule.dispatch import Client, Dispatcher
 from ..schedule.gate import gate
 from ..sources.remote import is_uri
 from . import fastpath, threadstate
@@ -126,7 +126,6 @@ class Device:
                 "workers": self.dispatcher.workers,
                 "pinned": [CLASSES[c] for c in sorted(self.dispatcher.pinned)],
                 "busy_inline": self.dispatcher.busy_inline(),
-                "learned": self.dispatcher.learner.snapshot(),
                 "class_gate": gate.snapshot(),  # the server's, shared by its exports
                 "chunk_size": self.dispatcher.chunk_size, "fast_path": self.fast_path,
                 "kept_thread_states": threadstate.kept(),
@@ -155,16 +154,16 @@ class Device:
 
 
 class Connection(Client):
-    """One client: the scheduling layer's Client (its I/O class, last learned request and
-    Merkle readahead window), its device, and its fast path (fastpath.py: fast(buf,
+    """One client: the scheduling layer's Client (its I/O class and Merkle readahead
+    window), its device, and its fast path (fastpath.py: fast(buf,
     offset) answers the common request, or hands it to device.dispatcher.read)."""
 
     def __init__(self, device: Device, io_class: int | None = None) -> None:
-        super().__init__(device.default_class if io_class is None else io_class, Cycle(),
+        super().__init__(device.default_class if io_class is None else io_class,
                          Readahead(device.verifier, device.config.readahead_min_size)
                          if device.readahead else None)
         self.device = device
-        self.fast = fastpath.bind(self)  # after cycle, which it holds
+        self.fast = fastpath.bind(self)
 
     @classmethod
     def open(cls, device: Device, export_name: str = "") -> Connection:

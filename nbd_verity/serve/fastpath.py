@@ -3,20 +3,19 @@
 A mode of the one read path, as the kernel's verity_verify_io runs in softirq context
 first: the common request is aligned, lies under one level-0 hash block whose verified
 copy is cached, is verified inline (within its class's threshold, or an unpinned class's
-request the learner sends inline), and no option that changes the success path is in
+request the pool does not take: dispatch.py), and no option that changes the success path is in
 play (FEC, ignore-zero-blocks, check-at-most-once, Merkle readahead, a data image that
 is not a local file, the pure-Python engine). For it bind()'s function reads and
 verifies straight into nbdkit's buffer with one read_verify call and counts what the
 general path would count. Anything else, and any failure here (a mismatch, a short
 read), goes to the general path from the start (Dispatcher.read), which stays the
-reference: the request's bytes, error and counters are its own there. A learned
-request's choice goes with it (dispatch.Choice), never made twice.
+reference: the request's bytes, error and counters are its own there.
 Invariants: what it counts (ctl stats) equals the general path's for the same request
 (tests/server/serve/test_fastpath.py compares every answer and counter); one request in
-SAMPLE_EVERY per thread has its latency timed (every learned one: its cost is a sample).
+SAMPLE_EVERY per thread has its latency timed (every one the pool did not take).
 Locking: none. It writes only this thread's rows of the general path's own Tallies
 (read/tally.py: each row has one writer, its thread) and the cache's LRU order, as
-HashBlockCache.get does; the connection's Cycle is the connection's thread's.
+HashBlockCache.get does.
 Why a separate frame: 4 KiB random reads from eight clients ran 181 MB/s with it, 171
 without (bench/threads.py, docs/benchmarks.md "The three ratios"); docs/decisions/fastpath.md.
 NBD_VERITY_FAST_PATH=0 turns it off, for tests that run every suite on both paths.
@@ -28,10 +27,9 @@ from collections.abc import Callable
 from threading import get_ident
 from time import perf_counter
 
-from ..control.table import INLINE, POOL
+from ..control.table import INLINE
 from ..limits import MAX_REQUEST_SIZE, switched_off
-from ..schedule.dispatch import Choice
-from ..schedule.learn import LEARN_MIN
+from ..schedule.dispatch import SHARED_MIN
 
 FAST_PATH_ENV = "NBD_VERITY_FAST_PATH"  # 0: every request takes the general path
 SAMPLE_EVERY = 64  # one request in this many (per thread and class) has its latency timed
@@ -53,8 +51,8 @@ def never(buf, offset: int) -> None:
 def bind(connection) -> Callable[[object, int], object]:
     """The fast path of one connection (a device.Connection, which calls this: not
     imported here, so that the import runs one way): fast(buf, offset) -> True when it
-    answered the request (buf filled and verified); else None, or the learner's Choice
-    for it, for the general path (Dispatcher.read)."""
+    answered the request (buf filled and verified); else None, for the general path
+    (Dispatcher.read)."""
     device = connection.device
     if connection.readahead is not None or not device.fast_path:
         return never
@@ -69,11 +67,10 @@ def bind(connection) -> Callable[[object, int], object]:
     read_verify = verifier.digester.native.read_verify
     fd = device.data.fd
     io_class = connection.io_class
+    client = id(connection)  # as Dispatcher.read names the connection to the pool
     slot = dispatcher.stats.slot(io_class, INLINE)  # requests; bytes at slot + 1
     latency = dispatcher.stats.latency(io_class, INLINE)
     counters, cache, stats = verifier.counters, device.cache, dispatcher.stats
-    learner, clock = dispatcher.learner, connection.cycle
-    connection_key = id(clock)  # as Dispatcher.read names the connection to the learner
     rows_of: dict[int, tuple[list[int], list[int], list[int]]] = {}
     sample_mask = SAMPLE_EVERY - 1
 
@@ -87,12 +84,12 @@ def bind(connection) -> Callable[[object, int], object]:
         if offset & mask or size & mask or not size:
             return None
         if size > dispatcher.table[io_class]:  # thresholds <= MAX_REQUEST_SIZE
-            if (size < LEARN_MIN or io_class in dispatcher.pinned
+            if (size < SHARED_MIN or io_class in dispatcher.pinned
                     or size > MAX_REQUEST_SIZE):
                 return None  # the pool's by the table
-            learned = True  # the learner's (learn.py), if the rest is the common request
+            shared = True  # the pool's if it takes it, if the rest is the common request
         else:
-            learned = False
+            shared = False
         first = offset >> shift
         blocks = size >> shift
         index = first & hpb_mask
@@ -103,10 +100,9 @@ def bind(connection) -> Callable[[object, int], object]:
         if leaf is None:
             return None
         verified, hits, path = rows_of.get(get_ident()) or rows()
-        if learned:
-            chosen = learned_read(buf, offset, size, leaf, index)
-            if chosen is not None:
-                return chosen
+        if shared:
+            if not shared_read(buf, offset, size, leaf, index):
+                return None
         elif path[slot] & sample_mask:
             if read_verify(fd, buf, offset, dbs, leaf, index * slot_size) != -1:
                 return None
@@ -125,23 +121,18 @@ def bind(connection) -> Callable[[object, int], object]:
         path[slot + 1] += size
         return True
 
-    def learned_read(buf, offset: int, size: int, leaf, index: int) -> Choice | None:
-        """A request of an unpinned class over its threshold: the learner chooses its path
-        as Dispatcher.read would; inline is served here (None), timed as the general path
-        times it (every request: its cost is a sample); the pool's, and an inline read
-        that failed here, go to the general path with the choice made (a Choice)."""
-        came = perf_counter()
-        load = learner.load(connection_key, came)
-        if learner.choose(io_class, size, POOL, load) != INLINE:
-            return Choice(POOL, load, came)
-        if clock.started:  # the connection's last learned request's cycle ends here
-            dispatcher.learned(clock, came)
+    def shared_read(buf, offset: int, size: int, leaf, index: int) -> bool:
+        """A request of an unpinned class that its threshold sends to the pool: when the
+        pool does not take it (Dispatcher.read's rule), it is verified here, timed, and
+        counted as busy inline (True); the pool's, and a read that failed here, go to the
+        general path (False), which asks the pool afresh."""
         started = perf_counter()
+        if dispatcher.pool().take(client, started):
+            return False
         if read_verify(fd, buf, offset, dbs, leaf, index * slot_size) != -1:
-            return Choice(INLINE, load, came)
-        ended = perf_counter()
-        latency.append(ended - started)
-        clock.hold(started, ended, size, INLINE, load, io_class)
-        return None
+            return False
+        latency.append(perf_counter() - started)
+        dispatcher.busy(io_class)
+        return True
 
     return fast

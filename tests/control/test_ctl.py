@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import socket
 import threading
 
@@ -12,7 +11,6 @@ import nbd
 import pytest
 
 from nbd_verity.launch import NBDKIT
-from nbd_verity.schedule.learn import COUNT, EXPLORE, SKIP, SKIP_MAX
 from nbd_verity.serve.nbdkit_compat import nbdkit_version, version_text
 
 from .harness import CLASSES, ctl, one_error_line
@@ -27,8 +25,7 @@ def server(module_servers, image):
 
 def table_lines(stdout: str, pinned: tuple[str, ...] = ()) -> dict:
     """`ctl thresholds` prints one "CLASS VALUE" line per class, in class order, with
-    "(pinned)" after the pinned ones (then what was learned, once requests of 512 KiB or
-    more came: none here)."""
+    "(pinned)" after the pinned ones, and nothing else."""
     lines = stdout.strip().splitlines()
     rows = [line.split() for line in lines[:len(CLASSES)]]
     assert [r[0] for r in rows] == list(CLASSES), stdout
@@ -65,7 +62,7 @@ def test_thresholds_show_set_and_preset(server):
     kernel = ctl(server.control, "thresholds", "--preset", "kernel", "--json")
     assert kernel.returncode == 0, kernel.stderr
     reply = json.loads(kernel.stdout)
-    assert reply["ok"] is True and sorted(reply) == ["learned", "ok", "pinned", "thresholds"]
+    assert reply["ok"] is True and sorted(reply) == ["ok", "pinned", "thresholds"]
     assert reply["thresholds"] == {"none": 8192, "rt": 8192, "be": 8192, "idle": 0}
     assert reply["pinned"] == list(CLASSES)  # a fixed preset: the table alone decides
     assert server.thresholds() == reply["thresholds"]
@@ -104,36 +101,6 @@ def test_stats_table_json_and_reset(server, image):
     assert after.returncode == 0, after.stderr
     assert all((n, p50) == (0, "-") for _, n, p50 in stats_rows(after.stdout).values())
     assert server.stats()["totals"]["data_blocks_verified"] == 0
-
-
-def test_thresholds_and_stats_show_what_was_learned(servers, image):
-    """An unpinned class's requests of 512 KiB and more: after their first trial of both
-    paths (EXPLORE requests in), ctl says per size what each path cost, the verdict and
-    the choice."""
-    server = servers.start(image)  # the default table: no class pinned
-    size = 1024 * KIB  # over one leaf hash block's 512 KiB: never the fast path
-    # the rule's path to the first trial, EXPLORE in; a trial at most, and its last's end
-    requests = EXPLORE + SKIP + 2 * COUNT + 2 * SKIP_MAX + 1
-    with server.client("@be") as h:
-        for i in range(requests):
-            offset = (i * size) % (image.size - image.size % size)
-            assert h.pread(size, offset) == image.expected(offset, size)
-    bucket = server.stats()["learned"]["be"]["loads"]["1"]["buckets"][str(size)]
-    assert bucket["requests"] == requests and bucket["trials"] == 1, bucket
-    assert bucket["choice"] in ("inline", "pool") and bucket["pool_to_inline"] > 0
-    # a lone trial does not overturn the rule's path, whatever its verdict: one client's
-    # 1 MiB requests (four pool chunks) take the pool where two CPUs or more can verify
-    table = "pool" if size > server.thresholds()["be"] else "inline"
-    rule = "pool" if len(os.sched_getaffinity(0)) >= 2 else table
-    assert bucket["choice"] == rule, bucket
-    shown = ctl(server.control, "thresholds")
-    assert shown.returncode == 0, shown.stderr
-    learned = [line for line in shown.stdout.splitlines() if line.startswith("learned be")]
-    inline, pool = (round(bucket[f"{p}_us_per_mib"]) for p in ("inline", "pool"))
-    start = '1024K' if bucket['choice'] == 'pool' else '-'
-    assert learned == [f"learned be, 1 client: pool from {start}"
-                       f" (inline/pool: 1024K: {inline}/{pool} us/MiB pool "
-                       f"x{bucket['pool_to_inline']:.2f} {bucket['choice']})"], shown.stdout
 
 
 def test_status_shows_v_then_c(servers, damaged_image):

@@ -6,10 +6,10 @@ socket, real NBD reads."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 
-from nbd_verity.schedule.dispatch import POOL_CHUNK_SIZE
-from nbd_verity.schedule.learn import LEARN_MIN
+from nbd_verity.schedule.dispatch import POOL_CHUNK_SIZE, SHARED_MIN
 
 from .harness import CLASSES, ctl
 
@@ -17,28 +17,24 @@ KIB = 1024
 FIXED = 1 << 20
 
 
-def test_the_default_table_is_one_pool_chunk_and_learns_above_it(servers, image):
+def test_the_default_table_is_one_pool_chunk_and_pins_no_class(servers, image):
     server = servers.start(image)
     reply = server.ask({"cmd": "thresholds"})
     assert reply["thresholds"] == dict.fromkeys(CLASSES, POOL_CHUNK_SIZE), reply
-    assert reply["pinned"] == [], reply  # every class learns above its threshold
+    assert reply["pinned"] == [], reply  # above its threshold, the load decides
     assert server.stats()["thresholds"] == reply["thresholds"]
     shown = ctl(server.control, "thresholds")
     assert shown.returncode == 0, shown.stderr
     assert shown.stdout.splitlines()[:4] == [f"{c:<5} {POOL_CHUNK_SIZE}" for c in CLASSES]
 
-    # the first request of a size takes the table's path (at the threshold inline, at
-    # twice it the pool), unless schedule/learn.py's rule says otherwise: one client, a
-    # request of two pool chunks or more and two workers or more take the pool. At
-    # 4096 bytes in (4096-byte blocks), one of 512 KiB spans two leaf hash blocks: never
-    # the fast path, which verifies one within its threshold inline whatever the rule
+    # one client's requests take the table's path: at the threshold inline, at twice it
+    # the pool (one client: the pool takes it, schedule/pool.py). At 4096 bytes in
+    # (4096-byte blocks), one of 512 KiB spans two leaf hash blocks: never the fast path
     start = 4096
     threshold = min(POOL_CHUNK_SIZE, image.size - start)
     above = image.size - start >= 2 * POOL_CHUNK_SIZE  # one over it fits here
     sizes = [threshold] + ([2 * threshold] if above else [])
-    rule = len(os.sched_getaffinity(0)) >= 2  # the server's workers: the CPUs here
-    pooled = [size > POOL_CHUNK_SIZE or (
-        rule and size >= LEARN_MIN and size >= 2 * POOL_CHUNK_SIZE) for size in sizes]
+    pooled = [size > POOL_CHUNK_SIZE for size in sizes]
     server.reset_stats()
     with server.client("@be") as h:
         for size in sizes:
@@ -67,23 +63,47 @@ def test_explicit_thresholds_win_and_pin_and_fixed_presets_pin_every_class(serve
     assert reply["pinned"] == list(CLASSES)
 
 
-def test_requests_of_one_pool_chunk_are_not_learned_the_table_decides(servers, image):
-    """An unpinned class's reads of one pool chunk are left to the table, every one: the
-    learner takes no trial of them (a trial sends some to the other path, and trials
-    sending one-chunk reads to the pool left a process slower for its life), so they
-    all take the table's path and `learned` stays empty."""
+def test_requests_under_two_chunks_follow_the_table_whatever_the_load(servers, image):
+    """An unpinned class's reads over its threshold but under two pool chunks are left
+    to the table, every one, from many clients at once too: the load decides only for
+    two chunks or more (SHARED_MIN; the pool splits one chunk no further)."""
     server = servers.start(image)  # the default table: no class pinned
-    size = LEARN_MIN // 2  # one pool chunk
-    assert size == POOL_CHUNK_SIZE
-    path = "inline" if size <= server.thresholds()["be"] else "pool"
-    leaf = 512 * KIB  # data under one leaf hash block: straddling two, never the fast path
-    reads = 400  # past a trial's first run (at most SKIP_MAX + COUNT / 2 requests)
+    size = POOL_CHUNK_SIZE + 128 * KIB
+    assert server.thresholds()["be"] < size < SHARED_MIN
     server.reset_stats()
-    with server.client("@be") as h:
-        for i in range(reads):
-            offset = leaf * (1 + i % 4) - size // 2
-            assert h.pread(size, offset) == image.expected(offset, size)
+    with contextlib.ExitStack() as stack:
+        handles = [stack.enter_context(server.client("@be")) for _ in range(3)]
+        for i in range(30):
+            offset = (i * size) % (image.size - image.size % size)
+            assert handles[i % 3].pread(size, offset) == image.expected(offset, size)
     stats = server.stats()
     be = stats["classes"]["be"]
-    assert be[path]["requests"] == reads and be[path]["bytes"] == reads * size, (path, be)
-    assert stats["learned"] == {}, stats["learned"]
+    assert be["pool"]["requests"] == 30 and be["pool"]["bytes"] == 30 * size, be
+    assert stats["busy_inline"]["be"] == 0, stats["busy_inline"]
+
+
+def test_many_clients_reads_of_two_chunks_are_verified_inline(servers, image):
+    """One client's reads of two pool chunks or more take the pool; once more clients
+    send them than half the workers that can run at once, each is verified in its own
+    connection's thread, and `ctl stats` counts it busy inline."""
+    server = servers.start(image)  # the default table: no class pinned
+    size = SHARED_MIN
+    workers = server.stats()["workers"]
+    half = max(1, min(workers, len(os.sched_getaffinity(0))) // 2)
+    count = half + 1  # clients: one more than the pool takes
+    server.reset_stats()
+    rounds = 4
+    with contextlib.ExitStack() as stack:
+        handles = [stack.enter_context(server.client("@be")) for _ in range(count)]
+        for i in range(rounds * count):  # every client, in turn: all within LOAD_S
+            offset = (i * size) % (image.size - image.size % size)
+            assert handles[i % count].pread(size, offset) == image.expected(offset, size)
+    stats = server.stats()
+    be = stats["classes"]["be"]
+    # the first round's first `half` clients were at most half: the pool's; then inline
+    assert (be["pool"]["requests"], be["inline"]["requests"]) == (
+        half, rounds * count - half), be
+    assert stats["busy_inline"]["be"] == rounds * count - half
+    shown = ctl(server.control, "stats")
+    assert shown.returncode == 0, shown.stderr
+    assert f"busy inline be {rounds * count - half}" in shown.stdout, shown.stdout

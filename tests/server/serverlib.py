@@ -386,9 +386,9 @@ def reads_across_an_outage(h, expected: bytes, outage, chunk: int = 64 << 10) ->
     return outcomes
 
 
-def read_general(conn, buf, offset, chosen=None):
+def read_general(conn, buf, offset):
     """The general path, as the callbacks' pread takes it after the fast path."""
-    conn.device.dispatcher.read(buf, offset, conn, chosen)
+    conn.device.dispatcher.read(buf, offset, conn)
 
 
 def connect(server, name: str):

@@ -244,8 +244,8 @@ def test_a_refused_remote_export_leaks_no_descriptor_and_no_directory(servers, s
         web.stop()
 
 
-def test_an_export_refused_after_its_images_opened_leaks_no_descriptor(one_served, images,
-                                                                         tmp_path):
+def test_an_export_refused_after_its_images_opened_leaks_no_descriptor(
+        one_served, images, tmp_path):  # noqa: F811 - the fixture
     """A local export whose root hash is not its tree's: its data and hash images are open
     when the root is found wrong, and every reload refuses it again. The server's files
     stay as they were (each refusal closes what it opened)."""

@@ -19,7 +19,6 @@ from nbd_verity.errors import CorruptionError, VerityError
 from nbd_verity.format import digest
 from nbd_verity.ioclass import CLASSES
 from nbd_verity.prepare.config import config_from_pairs
-from nbd_verity.schedule.dispatch import Choice
 from nbd_verity.serve.device import Connection, Device
 from nbd_verity.serve.fastpath import SAMPLE_EVERY, never
 
@@ -36,8 +35,8 @@ def device(image, monkeypatch, path: str = "fast", **keys) -> Device:
         monkeypatch.setenv(FAST_PATH_ENV, "0")
     else:
         monkeypatch.delenv(FAST_PATH_ENV, raising=False)
-    # the fixed table, pinned: the default learns from live timings (schedule/learn.py), and
-    # two devices' inline/pool counts compared here must not depend on them
+    # the fixed table, pinned: under the default, the load decides (schedule/pool.py), and
+    # two devices' inline/pool counts compared here must not depend on it
     keys.setdefault("threshold_preset", "fixed")
     return Device(config_from_pairs(image.pairs(readahead="false", **keys)))
 
@@ -71,9 +70,8 @@ def requests(seed: int, size: int, count: int = 400) -> list[tuple[int, int]]:
 def outcome(conn: Connection, offset: int, length: int):
     buf = bytearray(length)
     try:
-        chosen = conn.fast(buf, offset)
-        if chosen is not True:  # the general path, with the fast path's choice if any
-            read_general(conn, memoryview(buf), offset, chosen)
+        if conn.fast(buf, offset) is not True:  # the general path
+            read_general(conn, memoryview(buf), offset)
     except VerityError as e:
         return type(e).__name__, str(e)
     return bytes(buf)
@@ -149,46 +147,39 @@ def test_options_that_change_the_success_path_turn_it_off(default_image, monkeyp
 
 def unpinned(image, monkeypatch, **keys) -> Device:
     """A device whose classes nobody pinned, at a table under one leaf's span: an aligned
-    request of LEAF_SPAN is the learner's (schedule/learn.py: two pool chunks)."""
-    dev = device(image, monkeypatch, workers=2, **keys)  # the rule's cores: 2 at most
+    request of LEAF_SPAN (two pool chunks) takes the pool only when the pool takes it
+    (schedule/pool.py: one client at a time with two workers), counted over a minute so
+    that a slow machine does not end a client's turn."""
+    dev = device(image, monkeypatch, workers=2, **keys)
     dev.dispatcher.set_table((LEAF_SPAN // 2,) * len(CLASSES), pinned=frozenset())
-    if dev.dispatcher.learner.rule(1, LEAF_SPAN, "pool") != "inline":
-        dev.close()  # a skip, not a pass: with one CPU the rule never chooses inline
-        pytest.skip("one CPU: the rule takes the table's pool whatever the clients")
+    dev.dispatcher.pool().load_s = 60.0
     return dev
 
 
-def learned_requests(dev: Device, io_class: int) -> dict[str, int]:
-    """The learner's requests of LEAF_SPAN per load (the clients: '1', '2', ...)."""
-    loads = dev.stats()["learned"].get(CLASSES[io_class], {}).get("loads", {})
-    return {load: row["buckets"][str(LEAF_SPAN)]["requests"] for load, row in loads.items()}
-
-
-def test_a_learned_request_takes_the_fast_path_when_its_choice_is_inline(default_image,
-                                                                          monkeypatch):
-    """One client alone: the rule's pool, handed on to the general path with the choice
-    made (counted once). Two at once: inline, answered by the fast path, timed and
-    counted as the general path would (the learner's request, its sample's clock)."""
+def test_a_pool_sized_request_takes_the_fast_path_when_the_pool_does_not_take_it(
+        default_image, monkeypatch):
+    """One client alone: the pool's, left to the general path (counted once). Two at
+    once: inline, answered by the fast path, timed and counted as the general path would
+    (busy inline included)."""
     dev = unpinned(default_image, monkeypatch)
     try:
         a, b = Connection(dev), Connection(dev)
         read_general(a, memoryview(bytearray(4096)), 0)  # the general path caches leaf 0
         buf = bytearray(LEAF_SPAN)
-        chosen = a.fast(buf, 0)  # one client: the pool's, the choice handed on
-        assert isinstance(chosen, Choice) and chosen.path == "pool", chosen
-        read_general(a, memoryview(buf), 0, chosen)
+        assert a.fast(buf, 0) is None  # one client: the pool's
+        read_general(a, memoryview(buf), 0)
         assert buf == default_image.expected(0, LEAF_SPAN)
         for conn in (b, a) * 5:  # two clients: inline
             buf = bytearray(LEAF_SPAN)
             assert conn.fast(buf, 0) is True
             assert buf == default_image.expected(0, LEAF_SPAN)
-            cycle = conn.cycle
-            assert (cycle.length, cycle.path, cycle.load) == (LEAF_SPAN, "inline", 1)
-        assert learned_requests(dev, a.io_class) == {"1": 1, "2": 10}
-        paths = dev.stats()["classes"][CLASSES[a.io_class]]
+        stats = dev.stats()
+        paths = stats["classes"][CLASSES[a.io_class]]
         assert (paths["inline"]["requests"], paths["pool"]["requests"]) == (1 + 10, 1)
         assert paths["inline"]["bytes"] == 4096 + 10 * LEAF_SPAN
-        assert dev.stats()["totals"]["data_blocks_verified"] == 1 + 11 * (LEAF_SPAN // 4096)
+        assert stats["busy_inline"][CLASSES[a.io_class]] == 10
+        assert len(dev.dispatcher.stats.latency(a.io_class, "inline")) == 1 + 10
+        assert stats["totals"]["data_blocks_verified"] == 1 + 11 * (LEAF_SPAN // 4096)
     finally:
         dev.close()
 
@@ -205,28 +196,30 @@ def test_a_pinned_class_over_its_threshold_never_takes_the_fast_path(default_ima
             assert conn.fast(buf, 0) is None
             read_general(conn, memoryview(buf), 0)
             assert buf == default_image.expected(0, LEAF_SPAN)
-        assert learned_requests(dev, a.io_class) == {}
-        assert dev.stats()["classes"][CLASSES[a.io_class]]["pool"]["requests"] == 4
+        stats = dev.stats()
+        assert stats["classes"][CLASSES[a.io_class]]["pool"]["requests"] == 4
+        assert stats["busy_inline"][CLASSES[a.io_class]] == 0
     finally:
         dev.close()
 
 
-def test_a_learned_request_that_fails_on_the_fast_path_is_chosen_once(damaged, monkeypatch):
+def test_a_pool_sized_request_that_fails_on_the_fast_path_fails_alike(damaged, monkeypatch):
     """Leaf 0's span holds a corrupted block: the fast path's inline read fails, and the
-    general path reads it again on the path chosen, to the same error."""
+    general path reads it again, on the path the load gives it, to the same error; the
+    inline one is counted busy once."""
     dev = unpinned(damaged, monkeypatch)
     try:
         a, b = Connection(dev), Connection(dev)
         read_general(a, memoryview(bytearray(4096)), 0)  # block 0 is sound: leaf 0 cached
         for conn in (a, b):  # the pool's (one client), then inline's (two)
             buf = bytearray(LEAF_SPAN)
-            chosen = conn.fast(buf, 0)
-            assert isinstance(chosen, Choice), chosen
+            assert conn.fast(buf, 0) is None
             with pytest.raises(CorruptionError, match="data block 5"):
-                read_general(conn, memoryview(buf), 0, chosen)
-        assert learned_requests(dev, a.io_class) == {"1": 1, "2": 1}
-        paths = dev.stats()["classes"][CLASSES[a.io_class]]
+                read_general(conn, memoryview(buf), 0)
+        stats = dev.stats()
+        paths = stats["classes"][CLASSES[a.io_class]]
         assert (paths["inline"]["requests"], paths["pool"]["requests"]) == (1 + 1, 1)
+        assert stats["busy_inline"][CLASSES[a.io_class]] == 1
     finally:
         dev.close()
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
-from nbd_verity.schedule.pool import ClassPool
+from nbd_verity.schedule.pool import LOAD_FRESH_S, LOAD_S, ClassPool
 
 BE = 2  # an I/O class (ioclass.CLASSES)
 
@@ -58,21 +58,23 @@ def test_an_error_reaches_the_caller_and_the_worker_goes_on():
         pool.shutdown()
 
 
-def test_claim_takes_the_pool_only_while_cores_are_spare():
-    """With 2 workers one pool-sized request at a time takes the pool; a second at the
-    same time is verified inline, and takes it once the first is released; with every
-    worker busy none takes it."""
+def test_take_gives_the_pool_while_few_clients_send_and_a_worker_is_free():
+    """With 2 workers the pool takes one client's requests; a second client sending
+    within LOAD_S makes the load two, and both are verified inline until the second has
+    been quiet for LOAD_S; with every worker busy the pool takes none."""
     pool = ClassPool(2)
     try:
-        assert pool.claim(1) is True
-        assert pool.claim(2) is False
-        pool.release(1)
-        pool.release(2)
-        assert pool.claim(3) is True
-        pool.release(3)
+        assert pool.take(1, 10.0) is True
+        assert pool.take(1, 10.001) is True
+        assert pool.take(2, 10.002) is False  # a new client: counted at once
+        assert pool.take(1, 10.003) is False  # within LOAD_FRESH_S: the same count
+        assert pool.take(1, 10.002 + LOAD_FRESH_S) is False  # counted again: still two
+        later = 10.002 + LOAD_S + LOAD_FRESH_S
+        assert pool.take(1, later) is True  # client 2 quiet for LOAD_S: one client
+        assert pool.take(2, later + 0.001) is False  # client 2 back: two again
+        assert pool.take(1, later + 0.002 + LOAD_S) is True  # quiet again: one
         release = held(pool)
-        assert pool.claim(4) is False
-        pool.release(4)
+        assert pool.take(1, later + 1.0) is False  # one client, but no worker free
         release.set()
     finally:
         pool.shutdown()
