@@ -20,7 +20,6 @@ from ..format.areas import check_layout
 from ..format.digest import parse_salt
 from ..format.params import (
     VerityParams,
-    load_params,
     parse_uuid,
     random_salt,
     random_uuid,
@@ -270,15 +269,12 @@ def _verify_ddi(data: str, partition: str, root_hash: str | None, signature: str
 
 
 def _checked_params(data, hashes, trusted, kw: dict) -> VerityParams:
-    """The tree's parameters of opened images (warnings of the trust said first), the
-    data image checked to hold every block the tree covers."""
+    """The tree's parameters of opened images, and their sizes, checked as serve checks
+    them (prepare/opened.py; warnings of the trust said first)."""
+    from ..prepare.opened import checked_params
     for warning in trusted.warnings:
         click.echo(f"nbd-verity: warning: {warning}", err=True)
-    params = load_params(hashes.path, tree_options(kw), data.size(), source=hashes)
-    covered = params.data_blocks * params.data_block_size
-    if data.size() < covered:
-        raise VerityError(f"{data.path}: {data.size()} bytes, the tree covers {covered}")
-    return params
+    return checked_params(tree_options(kw), data, hashes, hashes.path)
 
 
 def _verify_opened(data, hashes, params: VerityParams, trusted, name: str,

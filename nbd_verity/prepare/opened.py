@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from ..errors import ConfigError, CorruptionError, ImageIOError
 from ..format.areas import check_layout
-from ..format.params import load_params
+from ..format.params import VerityParams, load_params
 from ..format.roothash import root_digest
 from ..read.cache import HashBlockCache
 from ..read.verifier import Verifier, VerifyOptions
@@ -50,11 +50,9 @@ class OpenedImage:
         else:  # both partitions of the one image, the root from the command line or GPT
             self.trust, self.data, self.hashes = self.ddi.trust, self.ddi.data, self.ddi.hashes
         self.hash_path = self.trust.hash_image
-        self.params = load_params(self.hash_path, config.tree, self.data.size(),
-                                  source=self.hashes)
+        self.params = checked_params(config.tree, self.data, self.hashes, self.hash_path)
         self.geo = self.params.geometry()
         root = root_digest(self.trust.root_hex, self.params.digester().digest_size)
-        self._check_sizes()
         if config.check_at_most_once and self.geo.data_blocks > 2**31 - 1:
             raise ConfigError("check-at-most-once: more than INT_MAX data blocks")
         self.cache = HashBlockCache(self.geo.hash_block_size, config.cache_size)
@@ -72,16 +70,6 @@ class OpenedImage:
             raise ConfigError(f"root-hash: does not match the top of the tree ({e}): wrong "
                               f"root hash, or a corrupted hash image") from None
 
-    def _check_sizes(self) -> None:
-        """Refuse images smaller than the geometry at start-up (later truncation → EIO)."""
-        need = self.geo.data_size
-        if self.data.size() < need:
-            raise ImageIOError(f"data: {self.data.path} is {self.data.size()} bytes, the "
-                               f"tree covers {need}")
-        if self.hashes.size() < self.geo.hash_image_size:
-            raise ImageIOError(f"hash: {self.hash_path} is {self.hashes.size()} bytes, its "
-                               f"geometry needs {self.geo.hash_image_size}")
-
     def source_counters(self) -> dict:
         """source_errors and reconnects, summed over the NBD sources (0 for files)."""
         totals = {"source_errors": 0, "reconnects": 0}
@@ -98,6 +86,21 @@ class OpenedImage:
         for opened in (self.data, self.hashes, self.fec):
             if opened is not None:
                 opened.close()
+
+
+def checked_params(tree, data, hashes, hash_path: str) -> VerityParams:
+    """The tree's parameters of opened sources, read and validated (format/params.py, with
+    tree: the options given), and both images at least as large as the tree: what serve,
+    every export and `verify` check before a block is read (later truncation: EIO)."""
+    params = load_params(hash_path, tree, data.size(), source=hashes)
+    geo = params.geometry()
+    if data.size() < geo.data_size:
+        raise ImageIOError(f"data: {data.path} is {data.size()} bytes, the tree covers "
+                           f"{geo.data_size}")
+    if hashes.size() < geo.hash_image_size:
+        raise ImageIOError(f"hash: {hash_path} is {hashes.size()} bytes, its geometry "
+                           f"needs {geo.hash_image_size}")
+    return params
 
 
 def open_ddi_of(config: ServerConfig):
