@@ -274,7 +274,7 @@ def _checked_params(data, hashes, trusted, kw: dict) -> VerityParams:
     from ..prepare.opened import checked_params
     for warning in trusted.warnings:
         click.echo(f"nbd-verity: warning: {warning}", err=True)
-    return checked_params(tree_options(kw), data, hashes, hashes.path)
+    return checked_params(tree_options(kw), data, hashes, hashes.path, whole_hash=False)
 
 
 def _verify_opened(data, hashes, params: VerityParams, trusted, name: str,

@@ -88,16 +88,18 @@ class OpenedImage:
                 opened.close()
 
 
-def checked_params(tree, data, hashes, hash_path: str) -> VerityParams:
+def checked_params(tree, data, hashes, hash_path: str, whole_hash: bool = True) -> VerityParams:
     """The tree's parameters of opened sources, read and validated (format/params.py, with
-    tree: the options given), and both images at least as large as the tree: what serve,
-    every export and `verify` check before a block is read (later truncation: EIO)."""
+    tree: the options given), and the images at least as large as the tree: what serve,
+    every export and `verify` check before a block is read (later truncation: EIO).
+    whole_hash: the hash image too, to its geometry's end (verify reads it as
+    veritysetup does, and says what is missing when it gets there)."""
     params = load_params(hash_path, tree, data.size(), source=hashes)
     geo = params.geometry()
     if data.size() < geo.data_size:
         raise ImageIOError(f"data: {data.path} is {data.size()} bytes, the tree covers "
                            f"{geo.data_size}")
-    if hashes.size() < geo.hash_image_size:
+    if whole_hash and hashes.size() < geo.hash_image_size:
         raise ImageIOError(f"hash: {hash_path} is {hashes.size()} bytes, its geometry "
                            f"needs {geo.hash_image_size}")
     return params

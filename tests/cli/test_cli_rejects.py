@@ -67,7 +67,7 @@ REJECTS = [
      r"nbd-verity: .*/missing\.img: No such file or directory"),
     ("verify-hash-image-too-small-for-geometry",
      lambda g, t: ["verify", g[1], truncated_hash(g, t, 8192), g[3]],
-     r"nbd-verity: hash: .*/short\.img is 8192 bytes, its geometry needs 16384"),
+     r"nbd-verity: .*/short\.img: hash image is 8192 bytes, its geometry needs 16384"),
     ("verify-hash-image-smaller-than-a-superblock",
      lambda g, t: ["verify", g[1], truncated_hash(g, t, 100), g[3]],
      r"nbd-verity: .*/short\.img: too small to hold a superblock at offset 0"),

@@ -18,9 +18,9 @@ BS = 4096
 BLOCKS = 768  # with roots 2: 4 rounds, so blocks 5, 9, 13 share a codeword group
 
 
-def read_general(conn, buf, offset, chosen=None):
+def read_general(conn, buf, offset):
     """The general path, as the callbacks' pread takes it after the fast path."""
-    conn.device.dispatcher.read(buf, offset, conn, chosen)
+    conn.device.dispatcher.read(buf, offset, conn)
 
 
 def test_serve_options_become_fec_keys(tmp_path):
