@@ -38,7 +38,7 @@ define install_missing
 	fi
 endef
 
-.PHONY: setup demo test test-other-release deb test-deb lint bench bench-format bench-fec bench-latency e2e e2e-bench soak clean
+.PHONY: setup demo test test-other-release deb test-deb lint bench bench-format bench-fec bench-latency bench-storage e2e e2e-bench soak clean
 
 setup: $(VENV)/.installed
 
@@ -121,6 +121,11 @@ bench-fec: setup
 # Readahead with the hash image behind nbdkit's delay filter (docs/benchmarks.md)
 bench-latency: setup
 	$(PY) bench/latency.py --write
+
+# verified against unverified reads of delayed NBD upstreams, one connection (and, as
+# root, the uncached disk: `make bench-storage STORAGE=--disk`)
+bench-storage: setup
+	$(PY) bench/storage.py $(STORAGE)
 
 clean:
 	rm -rf $(VENV) demo .pytest_cache .hypothesis

@@ -23,7 +23,8 @@ from ..format.params import VerityParams, load_params
 from ..format.roothash import root_digest
 from ..read.cache import HashBlockCache
 from ..read.verifier import Verifier, VerifyOptions
-from ..sources.remote import open_source
+from ..sources.ahead import AheadSource
+from ..sources.remote import is_url, open_source
 from ..trust.root import TrustedRoot, resolve_root
 from .config import ServerConfig
 
@@ -46,6 +47,8 @@ class OpenedImage:
             self.trust = trusted_root(config)
             wait = (stopping, config.source_timeout)  # for an NBD URI
             self.data = open_source(config.data, "data", *wait)  # or a local file
+            if is_url(config.data):  # a stream's next reads may start ahead of it
+                self.data = AheadSource(self.data)
             self.hashes = open_source(self.trust.hash_image, "hash", *wait)
         else:  # both partitions of the one image, the root from the command line or GPT
             self.trust, self.data, self.hashes = self.ddi.trust, self.ddi.data, self.ddi.hashes
@@ -83,6 +86,9 @@ class OpenedImage:
             getattr(source, "reset_counters", lambda: None)()
 
     def close(self) -> None:
+        verifier = getattr(self, "verifier", None)
+        if verifier is not None:  # its reads in flight end before their sources close
+            verifier.beside.stop()
         for opened in (self.data, self.hashes, self.fec):
             if opened is not None:
                 opened.close()

@@ -79,6 +79,11 @@ class HashBlockCache:
         """Whether a block is cached, without touching the LRU order or the counters."""
         return block in self._level_of
 
+    def peek(self, block: int) -> bytes | None:
+        """A verified block without touching the LRU order or the counters; None if absent."""
+        level = self._level_of.get(block)
+        return None if level is None else self._levels[level].get(block)
+
     def put(self, block: int, level: int, data: bytes) -> None:
         """Store a block that has just been verified, evicting lower levels first."""
         with self._lock:

@@ -13,6 +13,10 @@ blocks ("leaves"; one covers 128 data blocks at 4 KiB/SHA-256):
 - anything else reads nothing ahead (a random 4 KiB read needs one leaf at most).
 The reads are synchronous, in the request's thread: one read of a window costs one
 round trip where the stream would otherwise pay one per leaf.
+On a data source that reads ahead (sources/ahead.py: an image read over a network, slow
+lately), a sequential stream also starts the data reads of its next DATA_AHEAD requests
+of the same size, so that a connection whose requests nbdkit serves one at a time finds
+its next request's bytes on their way (they are verified when that request comes).
 
 The state is per connection and unlocked: nbdkit may run a connection's requests in
 parallel, and a race between two of them costs at most a duplicate readahead, never a
@@ -23,6 +27,8 @@ from __future__ import annotations
 
 from ..format.blocks import block_span
 
+DATA_AHEAD = 8  # a stream's next requests whose data reads start ahead (a client's QD8)
+DATA_AHEAD_BYTES = 4 << 20  # ... at most this far ahead
 INITIAL_LEAVES = 2  # the first window of a sequential stream, beyond the request
 MAX_LEAVES = 64  # the largest window: 256 KiB of hash blocks, 32 MiB of data at 4K/SHA-256
 
@@ -47,6 +53,14 @@ class Readahead:
         """Prefetch what this request (offset, length) and its stream will need."""
         sequential = offset == self.last_end
         self.last_end = end = offset + length
+        data = self.verifier.data
+        if sequential and getattr(data, "waits", None) is not None and data.waits():
+            size = self.verifier.geo.data_size
+            for i in range(min(DATA_AHEAD, max(1, DATA_AHEAD_BYTES // length))):
+                start = end + i * length
+                if start + length > size:
+                    break
+                data.ahead(start, length)
         if not self.leaf_bytes:
             return
         last_leaf = (end - 1) // self.leaf_bytes

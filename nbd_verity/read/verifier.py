@@ -20,14 +20,16 @@ Merkle readahead (fs-verity) fetches many level-0 blocks in one read and verifie
 
 from __future__ import annotations
 
+from time import perf_counter
 from typing import TYPE_CHECKING
 
 from ..errors import CorruptionError, DataCorruption, HashCorruption, ImageIOError
-from ..format.blocks import split_request
+from ..format.blocks import block_span, split_request
 from ..format.digest import READ_FAILED
 from ..format.params import VerityParams
 from ..log import log
 from ..sources.source import ImageFile
+from .beside import Beside
 from .cache import HashBlockCache
 from .counters import IGNORE_CORRUPTION, MAX_LOGGED_ERRORS, Counters, VerifyOptions
 from .repair import FecRepairs
@@ -66,6 +68,7 @@ class Verifier(FecRepairs):
         # serve/fastpath.py may answer aligned reads under one cached leaf itself: its
         # success path is _read_verify's, and everything else comes back here.
         self.fast_path_ready = self._reads_native
+        self.beside = Beside(self)  # a cold request's hash blocks read beside its data
 
     # -- start-up ---------------------------------------------------------------------
 
@@ -90,7 +93,9 @@ class Verifier(FecRepairs):
         hbs = self.geo.hash_block_size
         unreadable = None
         try:
+            started = perf_counter()
             data = bytes(self.hashes.read(hbs, block * hbs))
+            self.beside.timed(perf_counter() - started)
         except ImageIOError as e:
             if self.fec is None:
                 raise
@@ -178,11 +183,17 @@ class Verifier(FecRepairs):
         nbdkit threads at every block; a longer one (a pool chunk, a large inline read)
         is hashed with it released, on several cores at once."""
         dbs = self.geo.data_block_size
-        if not offset % dbs and not len(buf) % dbs:  # aligned: the common case, no split
-            if self._reads_native and self._read_verify(buf, offset):
-                return
-            self._read_blocks(buf, offset // dbs, len(buf) // dbs)
+        if not len(buf):
             return
+        first, count = block_span(offset, len(buf), dbs)
+        fetch = self.beside.start(first, count)  # None: cached, or the hashes answer fast
+        if not offset % dbs and not len(buf) % dbs:  # aligned: the common case, no split
+            if fetch is None and self._reads_native and self._read_verify(buf, offset):
+                return
+            self._read_blocks(buf, first, count, fetch)
+            return
+        if fetch is not None:  # the levels at once, before the split's reads
+            fetch.finish()
         for seg in split_request(offset, len(buf), dbs):
             if seg.whole:
                 target = buf[seg.buf_offset:seg.buf_offset + seg.length]
@@ -213,16 +224,21 @@ class Verifier(FecRepairs):
         self._after_run(buf, first, count, bad)
         return True
 
-    def _read_blocks(self, mv: memoryview, first: int, count: int) -> None:
+    def _read_blocks(self, mv: memoryview, first: int, count: int, fetch=None) -> None:
         """Read `count` data blocks from `first` into mv and verify them; with FEC, a read
-        the source fails goes on block by block (_read_or_rebuild)."""
+        the source fails goes on block by block (_read_or_rebuild). fetch: their hash
+        blocks' reads in flight (beside.py), finished once the data is in."""
         try:
             self.data.read_into(mv, first * self.geo.data_block_size)
         except ImageIOError as error:
+            if fetch is not None:
+                fetch.finish()
             if self.fec is None:
                 raise
             self._read_or_rebuild(mv, first, count, error)
             return
+        if fetch is not None:
+            fetch.finish()
         self._verify_blocks(mv, first, count)
 
     def _read_or_rebuild(self, mv: memoryview, first: int, count: int,

@@ -16,7 +16,8 @@ whatever that declines to the general path, Dispatcher.read (schedule/dispatch.p
 A failed request is raised by nbdkit_compat.FailureRaiser, outside any `except` block, so
 that nbdkit 1.32's leak of every failed callback's exception costs nothing (see there);
 requests above the advertised maximum fail with EINVAL before any work. The thread model
-is SERIALIZE_REQUESTS unless configured otherwise (nbdkit_compat: the disconnect race).
+is configured, or settled by thread_model() (auto: parallel for an image read over a
+network where nbdkit has no disconnect race, nbdkit_compat).
 """
 
 import ctypes
@@ -34,6 +35,7 @@ from nbd_verity.ioclass import CLASSES
 from nbd_verity.limits import MAX_REQUEST_SIZE
 from nbd_verity.log import log
 from nbd_verity.prepare.config import (
+    AUTO,
     PARALLEL,
     SERIALIZE_ALL_REQUESTS,
     SERIALIZE_REQUESTS,
@@ -127,7 +129,12 @@ def _stopping() -> bool:
     nbdkit has no call that asks it, but nbdkit_nanosleep (1.32 and 1.42 alike) waits on
     nbdkit's quit pipe and on the connection's status and socket: with no time to sleep
     it returns -1 at once (after logging "aborting sleep to shut down") when either has
-    ended, 0 otherwise. Asked only after a wait on an NBD source timed out a slice."""
+    ended, 0 otherwise. Asked only after a wait on an NBD source timed out a slice, and
+    only on nbdkit's own threads (Python sees them as dummy threads): anywhere else (the
+    start-up check of the root, a reload on the control thread, the hash fetches) 1.32
+    asserts that the caller serves a connection, and aborts."""
+    if not isinstance(threading.current_thread(), threading._DummyThread):
+        return False
     try:
         return ctypes.CDLL(None).nbdkit_nanosleep(0, 0) != 0
     except (AttributeError, OSError):
@@ -168,6 +175,8 @@ _THREAD_MODELS = {
 
 def thread_model():
     name = _config.effective_thread_model
+    if name == AUTO:
+        name = nbdkit_compat.auto_thread_model(_config.waits, nbdkit_compat.nbdkit_version())
     if name == PARALLEL:
         version = nbdkit_compat.nbdkit_version()
         if nbdkit_compat.has_send_race(version):

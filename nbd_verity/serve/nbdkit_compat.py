@@ -41,6 +41,9 @@ import threading
 import traceback
 import weakref
 
+from ..log import log
+from ..prepare.config import PARALLEL, SERIALIZE_REQUESTS
+
 RACE_FIRST = (1, 32, 4)  # the first version with the disconnect race
 RACE_FIXED = (1, 34, 0)  # commit 9d82aa4f "server: Fix race in raw_send_socket"
 LEAK_KNOWN = ((1, 32, 0), (1, 33, 11))  # versions whose check_python_failure we read
@@ -74,6 +77,22 @@ def leaks_failures(version: tuple[int, int, int] | None) -> bool | None:
     None where it is not known (FailureRaiser finds out)."""
     known = version is not None and LEAK_KNOWN[0] <= version <= LEAK_KNOWN[1]
     return True if known else None
+
+
+def auto_thread_model(waits: bool, version) -> str:
+    """thread-model=auto: a connection's requests served together (PARALLEL) where the
+    image is read over a network and this nbdkit has no disconnect race; else one at a
+    time (SERIALIZE_REQUESTS), and for a network image a line that says how to get more
+    in flight (docs/server.md, "Storage with latency")."""
+    if not waits:
+        return SERIALIZE_REQUESTS
+    if not has_send_race(version):
+        return PARALLEL
+    log(f"thread-model: nbdkit {version_text(version)} serves one request of "
+        f"a connection at a time here (its parallel model can be aborted by a client, "
+        f"fixed in 1.34.0); for several in flight open several connections "
+        f"(nbd-client -C N) or pass --thread-model parallel")
+    return SERIALIZE_REQUESTS
 
 
 def version_text(version: tuple[int, int, int] | None) -> str:

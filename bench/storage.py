@@ -1,0 +1,143 @@
+"""Storage with latency: verified reads against unverified ones of the same storage.
+
+Each row is one workload from ONE client connection (one fio job, fio's nbd engine, at a
+queue depth): unverified = fio reading the data upstream itself; verified = `nbd-verity
+serve DATA HASH ROOT` over the same upstreams, default options, a fresh (cold) server
+per run. The ratio is verified / unverified, per round; the table gives the median and
+range over ROUNDS rounds (each round runs unverified and verified in turn).
+
+Sources:
+- `delay D`: data and hash images behind nbdkit `file` upstreams under nbdkit's `delay`
+  filter (`rdelay=D`: every read waits D), on Unix sockets: a network disk or an object
+  store;
+- `disk`: the machine's own disk, uncached (root: the page cache is dropped before each
+  run, `echo 3 > /proc/sys/vm/drop_caches`); unverified = nbdkit's C `file` plugin, 4 KiB
+  random reads at QD1 and QD16 (a 2 GiB image).
+
+    .venv/bin/python bench/storage.py [--rounds 3] [--runtime 4] [--delays 1ms,10ms]
+        [--disk]
+
+It prints a markdown table for docs/benchmarks.md ("Storage with latency").
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import fiorun  # noqa: E402
+import images  # noqa: E402
+import report  # noqa: E402
+import servers  # noqa: E402
+from fiorun import Job  # noqa: E402
+
+WORKLOADS = (("randread", 4 << 10, 1), ("randread", 4 << 10, 16), ("randread", 64 << 10, 4),
+             ("read", 128 << 10, 1), ("read", 128 << 10, 8))
+DISK_WORKLOADS = (("randread", 4 << 10, 1), ("randread", 4 << 10, 16))
+SIZE = 512 << 20
+DISK_SIZE = 2 << 30
+
+
+def delayed(path: Path, delay: str, name: str) -> servers.Server:
+    return servers.Server(f"{name}, rdelay={delay}", "file", [f"file={path}",
+                                                             f"rdelay={delay}"], None,
+                          ("delay",))
+
+
+def label(rw: str, bs: int, qd: int) -> str:
+    kind = "random" if rw == "randread" else "sequential"
+    return f"{fiorun.size_label(bs)} {kind}, QD{qd}"
+
+
+def drop_caches() -> None:
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3\n")
+
+
+def measure_delay(image: images.Image, delay: str, rounds: int, runtime: float) -> list[dict]:
+    rows = []
+    with delayed(image.data, delay, "data") as data, delayed(image.hash, delay, "hash") as hashes:
+        for rw, bs, qd in WORKLOADS:
+            job = Job(rw, bs, 1, qd, runtime)
+            runs = []
+            for _ in range(rounds):
+                unverified = fiorun.run(data.uri(), job, image.size).mb_s
+                with servers.verity_server("verified", images.Image(
+                        data.uri(), hashes.uri(), image.root, image.size, image.how),
+                        []) as server:
+                    verified = fiorun.run(server.uri(), job, image.size).mb_s
+                runs.append((unverified, verified))
+                say(f"delay {delay}: {label(rw, bs, qd)}: {unverified:.1f} / {verified:.1f}")
+            rows.append(summary(f"NBD, {delay} per read", label(rw, bs, qd), runs))
+    return rows
+
+
+def measure_disk(rounds: int, runtime: float) -> list[dict]:
+    image = images.random_image_named("storage-disk", DISK_SIZE)
+    rows = []
+    for rw, bs, qd in DISK_WORKLOADS:
+        job = Job(rw, bs, 1, qd, runtime)
+        runs = []
+        for _ in range(rounds):
+            drop_caches()
+            with servers.file_server(image.data) as plain:
+                unverified = fiorun.run(plain.uri(), job, image.size).mb_s
+            drop_caches()
+            with servers.verity_server("verified", image, []) as server:
+                verified = fiorun.run(server.uri(), job, image.size).mb_s
+            runs.append((unverified, verified))
+            say(f"disk: {label(rw, bs, qd)}: {unverified:.1f} / {verified:.1f}")
+        rows.append(summary("local disk, uncached", label(rw, bs, qd), runs))
+    return rows
+
+
+def summary(source: str, workload: str, runs: list[tuple[float, float]]) -> dict:
+    ratios = sorted(v / u for u, v in runs)
+    return {"source": source, "workload": workload,
+            "unverified": statistics.median(u for u, _ in runs),
+            "verified": statistics.median(v for _, v in runs),
+            "ratio": statistics.median(ratios), "low": ratios[0], "high": ratios[-1]}
+
+
+def table(rows: list[dict]) -> str:
+    header = ["source", "workload (one connection)", "unverified MB/s", "verified MB/s",
+              "verified / unverified (min-max)"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for r in rows:
+        lines.append(f"| {r['source']} | {r['workload']} | {r['unverified']:.1f} | "
+                     f"{r['verified']:.1f} | {r['ratio']:.2f} ({r['low']:.2f}-{r['high']:.2f}) |")
+    return "\n".join(lines)
+
+
+def say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--runtime", type=float, default=4.0)
+    parser.add_argument("--delays", default="1ms,10ms")
+    parser.add_argument("--disk", action="store_true", help="also the uncached disk (root)")
+    args = parser.parse_args(argv[1:])
+    image = images.random_image(SIZE)
+    rows = []
+    for delay in args.delays.split(","):
+        rows += measure_delay(image, delay, args.rounds, args.runtime)
+    if args.disk:
+        rows += measure_disk(args.rounds, args.runtime)
+    print(f"{report.machine()}; load {report.load()}; {args.rounds} rounds of "
+          f"{args.runtime:g} s")
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

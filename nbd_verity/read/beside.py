@@ -1,0 +1,133 @@
+"""A cold request's hash blocks fetched beside its data (dm-verity's verity_submit_prefetch).
+
+When a request's level-0 hash blocks are not all cached, the kernel submits their reads
+at map time, together with the data I/O, so that one wait covers both. Here, when the
+hash source has latency (its reads took over LATENCY_S lately), Verifier.read starts a
+Fetch before it reads the data: each level's missing blocks, from the request's leaves
+up to the first cached ancestor, are read in one read per level, every level at once,
+on the I/O threads; the request's own thread reads the data meanwhile, then finishes
+the fetch: it verifies the fetched blocks top down, each against its verified parent
+(or the root), and caches those that match. A block that does not match, or a read that
+failed, is left out: the request's verification then reads it again and reports it as
+it always does (or FEC repairs it), so a fetch changes when bytes arrive, never what is
+trusted or which error a request gets. No data byte is used before its digest matched.
+Invariants: nothing unverified enters the cache; a Fetch is finished by the thread that
+started it, after its data read; the I/O threads only read.
+Locking: none of its own. The cache is HashBlockCache's (its own lock); the latency is
+one float, replaced whole (a lost update costs one sample).
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from ..errors import ImageIOError
+
+LATENCY_S = 250e-6  # a hash source slower than this per read is fetched beside the data
+WEIGHT = 0.125  # each read's share of the latency estimate (an exponential average)
+WAIT_SLICE_S = 0.25  # a fetch is waited for in slices, after each of which stopping() is asked
+IO_THREADS = 32  # reads in flight at once: 16 requests of a connection, two levels each
+
+
+class Beside:
+    """Decides whether a request's hash blocks are fetched beside its data, and starts
+    their reads (one verifier's)."""
+
+    def __init__(self, verifier) -> None:
+        self.verifier = verifier
+        self.latency = 0.0  # seconds per hash read, lately (0: none measured yet)
+        self._io: ThreadPoolExecutor | None = None  # started at the first fetch (after fork)
+
+    def timed(self, seconds: float) -> None:
+        """One hash read's time (the verifier's, and the fetches'); the first is taken
+        whole (the start-up check of the root reads one)."""
+        latency = self.latency
+        self.latency = seconds if not latency else latency + WEIGHT * (seconds - latency)
+
+    def start(self, first: int, count: int) -> Fetch | None:
+        """A Fetch of data blocks first..first+count-1's missing hash blocks, started; None
+        when they are cached or the hash source answers fast (then the request's own
+        reads are cheaper than a hand-off)."""
+        verifier = self.verifier
+        geo = verifier.geo
+        if self.latency < LATENCY_S or geo.levels == 0:
+            return None
+        cache = verifier.cache
+        lo, hi = geo.parent_slot(first)[0], geo.parent_slot(first + count - 1)[0]
+        runs = []  # (level, lo, hi): each level's missing blocks, from level 0 up
+        for level in range(geo.levels):
+            start = geo.level_start[level]
+            while lo <= hi and cache.contains(start + lo):
+                lo += 1
+            while hi >= lo and cache.contains(start + hi):
+                hi -= 1
+            if lo > hi:
+                break
+            runs.append((level, lo, hi))
+            lo, hi = geo.parent_slot(lo)[0], geo.parent_slot(hi)[0]
+        if not runs:
+            return None
+        if self._io is None:
+            self._io = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="hash-fetch")
+        return Fetch(self, [(run, self._io.submit(self._read, *run)) for run in runs])
+
+    def _read(self, level: int, lo: int, hi: int) -> bytes:
+        geo, hbs = self.verifier.geo, self.verifier.geo.hash_block_size
+        started = time.perf_counter()
+        run = self.verifier.hashes.read((hi - lo + 1) * hbs, (geo.level_start[level] + lo) * hbs)
+        self.timed(time.perf_counter() - started)
+        return bytes(run)
+
+    def stop(self) -> None:
+        if self._io is not None:
+            self._io.shutdown(wait=True)
+            self._io = None
+
+
+class Fetch:
+    """One request's hash reads in flight: finish() verifies and caches what came."""
+
+    def __init__(self, beside: Beside, reads: list[tuple[tuple[int, int, int], Future]]):
+        self.beside, self.reads = beside, reads
+
+    def finish(self) -> None:
+        """Wait for every read, then verify the fetched blocks top down and cache those
+        that match; anything else is left to the request's own verification."""
+        verifier = self.beside.verifier
+        geo, hbs, d = verifier.geo, verifier.geo.hash_block_size, verifier.digester
+        cache, top = verifier.cache, verifier.geo.levels - 1
+        stopping = getattr(verifier.hashes, "stopping", None)  # an NBD source's
+        fetched = []
+        for run, future in self.reads:
+            while True:
+                try:
+                    fetched.append((run, future.result(WAIT_SLICE_S)))
+                except TimeoutError:
+                    if stopping is not None and stopping():
+                        return  # the request's own reads say so, promptly
+                    continue
+                except ImageIOError:
+                    pass  # the request's own read reports it (or FEC rebuilds it)
+                break
+        blocks = reads = 0
+        for (level, lo, hi), data in reversed(fetched):  # the top first: parents before
+            reads += 1
+            blocks += hi - lo + 1
+            start = geo.level_start[level]
+            for index in range(lo, hi + 1):
+                if cache.contains(start + index):
+                    continue
+                if level == top:
+                    want = verifier.root
+                else:  # only against a verified parent: one not cached is left alone
+                    parent_index, slot = geo.parent_slot(index)
+                    parent = cache.peek(geo.level_start[level + 1] + parent_index)
+                    if parent is None:
+                        continue
+                    want = d.stored(parent, slot)
+                block = data[(index - lo) * hbs:(index - lo + 1) * hbs]
+                if d.digest(block) == want:
+                    cache.put(start + index, level, block)
+        if reads:
+            verifier.counters.add(hash_reads=reads, hash_blocks_read=blocks)

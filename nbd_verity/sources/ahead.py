@@ -1,0 +1,105 @@
+"""Data reads started ahead of a sequential stream on a source with latency (the page
+cache's readahead, for an image read over a network).
+
+A connection whose requests nbdkit serves one at a time (serialize-requests, the safe
+model on nbdkit 1.32) still has its client's next requests queued behind the one being
+served; on a source where each read waits, the stream would pay one wait per request.
+AheadSource wraps such a source: the connection's readahead (read/readahead.py) asks it
+to start the reads of the stream's next requests (ahead()), which run on its I/O
+threads, and the read that asks for exactly one of them takes its bytes (read_into).
+Those bytes are untrusted like any other: the verifier hashes them in the request's
+buffer before a byte is served, as it does what read_into returns. A read started ahead
+that failed is read again by the request itself (its own error, or its own success).
+Only when the source is slow: reads that took under LATENCY_S lately start nothing.
+Invariants: at most MAX_STAGED reads and MAX_STAGED_BYTES staged; one taken is gone; the
+oldest not taken is dropped first.
+Locking: one lock guards the staged reads (never held during I/O); the latency is one
+float, replaced whole.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+
+from ..errors import ImageIOError
+
+LATENCY_S = 250e-6  # a source slower than this per read is read ahead of a stream
+WEIGHT = 0.125  # each read's share of the latency estimate
+MAX_STAGED = 64  # reads started ahead and not yet taken, all streams together
+MAX_STAGED_BYTES = 64 << 20  # ... and their bytes
+IO_THREADS = 16
+
+
+class AheadSource:
+    """A source (NbdSource's interface) whose reads a stream may start ahead."""
+
+    def __init__(self, source) -> None:
+        self.source = source
+        self.latency = 0.0  # seconds per read, lately
+        self._staged: OrderedDict = OrderedDict()  # (offset, length) -> Future
+        self._bytes = 0  # staged
+        self._lock = threading.Lock()
+        self._io: ThreadPoolExecutor | None = None  # made at the first read ahead (after fork)
+
+    def __getattr__(self, name):  # path, role, size, counters, stopping, ...
+        return getattr(self.source, name)
+
+    def waits(self) -> bool:
+        return self.latency >= LATENCY_S
+
+    def ahead(self, offset: int, length: int) -> None:
+        """Start reading length bytes at offset, unless that read is staged already."""
+        key = (offset, length)
+        with self._lock:
+            if key in self._staged or length > MAX_STAGED_BYTES:
+                return
+            if self._io is None:
+                self._io = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="read-ahead")
+            while self._staged and (len(self._staged) >= MAX_STAGED or
+                                    self._bytes + length > MAX_STAGED_BYTES):
+                (_, dropped), _ = self._staged.popitem(last=False)  # a stream gone elsewhere
+                self._bytes -= dropped
+            self._staged[key] = self._io.submit(self._timed_read, length, offset)
+            self._bytes += length
+
+    def _timed_read(self, length: int, offset: int) -> bytearray:
+        started = time.perf_counter()
+        data = self.source.read(length, offset)
+        self._timed(time.perf_counter() - started)
+        return data
+
+    def _timed(self, seconds: float) -> None:
+        latency = self.latency
+        self.latency = seconds if not latency else latency + WEIGHT * (seconds - latency)
+
+    def read_into(self, buf: memoryview, offset: int) -> None:
+        with self._lock:
+            staged = self._staged.pop((offset, len(buf)), None)
+            if staged is not None:
+                self._bytes -= len(buf)
+        if staged is not None:
+            try:
+                buf[:] = staged.result()
+                return
+            except ImageIOError:
+                pass  # read again: the request's own error, or its own success
+        started = time.perf_counter()
+        self.source.read_into(buf, offset)
+        self._timed(time.perf_counter() - started)
+
+    def read(self, size: int, offset: int) -> bytearray:
+        buf = bytearray(size)
+        self.read_into(memoryview(buf), offset)
+        return buf
+
+    def close(self) -> None:
+        with self._lock:
+            io, self._io = self._io, None
+            self._staged.clear()
+            self._bytes = 0
+        if io is not None:
+            io.shutdown(wait=True)
+        self.source.close()

@@ -1,0 +1,192 @@
+"""Storage with latency, observed at the upstreams: a cold request's hash blocks fetched
+beside its data (nbd_verity/read/beside.py), a connection's requests served together
+where nbdkit allows, and a sequential stream's data read ahead (sources/ahead.py). Real
+nbdkit `file` upstreams under the `delay` filter, with nbdkit's `log` filter outermost
+recording when each read came and when it was answered. A block fetched early still
+fails exactly its request, and no byte is served unverified.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+import time
+from dataclasses import replace
+
+import nbd
+import pytest
+
+from nbd_verity.launch import NBDKIT
+from nbd_verity.serve.nbdkit_compat import has_send_race, nbdkit_version
+
+from ..serverlib import MIB, control_request, expect_eio, flip_byte, make_image, random_bytes
+from ..upstreams import NbdkitFile
+
+DELAY = "150ms"  # every upstream read waits this long: far over beside.LATENCY_S
+READ = re.compile(r"^(\S+ \S+) (connection=\d+) (\.\.\.)?Read id=(\d+)"
+                  r"(?: offset=(0x[0-9a-f]+) count=(0x[0-9a-f]+))?")
+
+
+@pytest.fixture(scope="module")
+def image(tmp_path_factory):
+    """2 MiB, 4096/4096 sha256: 512 data blocks, 4 level-0 blocks under the root block."""
+    return make_image(tmp_path_factory.mktemp("beside"), random_bytes(29, 2 * MIB))
+
+
+def reads(log_path: str) -> list[tuple[int, int, datetime.datetime, datetime.datetime]]:
+    """(offset, count, came, answered) of every read an upstream's log filter recorded."""
+    started, done = {}, []
+    with open(log_path) as f:
+        for line in f:
+            m = READ.match(line)
+            if m is None:
+                continue
+            when = datetime.datetime.fromisoformat(m.group(1))
+            key = m.group(2, 4)  # ids count per connection
+            if m.group(3):  # the answer
+                offset, count, came = started.pop(key)
+                done.append((offset, count, came, when))
+            else:
+                started[key] = (int(m.group(5), 16), int(m.group(6), 16), when)
+    return done
+
+
+def delayed(path, sockdir: str, name: str, tmp_path) -> tuple[NbdkitFile, str]:
+    log = str(tmp_path / f"{name}.reads")
+    upstream = NbdkitFile(path, sockdir, name, ("log", "delay"),
+                          (f"rdelay={DELAY}", f"logfile={log}")).start()
+    return upstream, log
+
+
+@pytest.fixture
+def upstreams():
+    started = []
+    yield started
+    for server in started:
+        server.stop()
+
+
+def serve(image, sockdir, tmp_path, servers, upstreams, readahead: bool = False):
+    """nbd-verity serve of image's data and hash images behind delayed, logged upstreams
+    (readahead: Merkle and data readahead, off unless asked for)."""
+    data, data_log = delayed(image.data, sockdir, "up-data", tmp_path)
+    hashes, hash_log = delayed(image.hash, sockdir, "up-hash", tmp_path)
+    upstreams += [data, hashes]
+    server = servers.start(replace(image, data=data.uri, hash=hashes.uri),
+                           control=os.path.join(sockdir, "ctl.sock"),
+                           readahead="true" if readahead else "false")
+    return server, data_log, hash_log
+
+
+def test_a_cold_reads_hash_block_is_read_while_its_data_is(image, sockdir, tmp_path,
+                                                           servers, upstreams):
+    """The leaf of a cold 4 KiB read comes to the hash upstream before the data upstream
+    has answered the data read: one wait covers both."""
+    server, data_log, hash_log = serve(image, sockdir, tmp_path, servers, upstreams)
+    h = server.connect()
+    block = 300  # under leaf 2, not cached: only the root block was read at start-up
+    offset = block * image.data_block_size
+    assert h.pread(4096, offset) == image.expected(offset, 4096)
+    (data_read,) = [r for r in reads(data_log) if r[0] == offset]
+    leaf = image.leaf_offset(block)
+    leaf_reads = [r for r in reads(hash_log) if r[0] <= leaf < r[0] + r[1]]
+    assert len(leaf_reads) == 1, reads(hash_log)
+    assert leaf_reads[0][2] < data_read[3], (leaf_reads, data_read)  # came before answered
+    assert data_read[2] < leaf_reads[0][3]  # and the data read came before the leaf's answer
+
+
+def test_a_bad_data_block_fails_exactly_its_request(image, sockdir, tmp_path, servers,
+                                                    upstreams):
+    damaged = image.copy(tmp_path / "damaged")
+    flip_byte(damaged.data, 300 * image.data_block_size + 17)
+    server, _, _ = serve(damaged, sockdir, tmp_path, servers, upstreams)
+    h = server.connect()
+    expect_eio(h, 4096, 300 * 4096)
+    for block in (299, 301, 0):  # the same leaf, now cached, and another
+        assert h.pread(4096, block * 4096) == image.expected(block * 4096, 4096)
+    expect_eio(h, 8192, 299 * 4096)  # a request that holds it fails whole
+
+
+def test_a_bad_hash_block_fetched_beside_is_never_trusted(image, sockdir, tmp_path, servers,
+                                                          upstreams):
+    """A corrupted leaf fetched beside the data fails every read under it, each time
+    (it is never cached), and no other read."""
+    damaged = image.copy(tmp_path / "damaged")
+    flip_byte(damaged.hash, image.leaf_offset(300) + 100)  # leaf 2: data blocks 256..383
+    server, _, _ = serve(damaged, sockdir, tmp_path, servers, upstreams)
+    h = server.connect()
+    for block in (300, 256, 383, 300):
+        expect_eio(h, 4096, block * 4096)
+    for block in (255, 384, 0):
+        assert h.pread(4096, block * 4096) == image.expected(block * 4096, 4096)
+    totals = control_request(os.path.join(sockdir, "ctl.sock"), {"cmd": "stats"})
+    assert totals["stats"]["totals"]["corruptions"] == 4, totals
+
+
+def most_at_once(spans) -> int:
+    """The most reads an upstream had in flight at one moment."""
+    events = sorted([(came, 1) for _, _, came, _ in spans] +
+                    [(answered, -1) for _, _, _, answered in spans], key=lambda e: (e[0], e[1]))
+    most = now = 0
+    for _, step in events:
+        now += step
+        most = max(most, now)
+    return most
+
+
+def test_requests_in_flight_on_one_connection_reach_the_upstream_together(
+        image, sockdir, tmp_path, servers, upstreams):
+    """K reads sent at once on one connection: on an nbdkit without the disconnect race
+    the default thread model (auto) serves them together, and K data reads are in flight
+    at the upstream at once; on nbdkit 1.32 they come one at a time, and the server said
+    at start-up how to get more."""
+    server, data_log, _ = serve(image, sockdir, tmp_path, servers, upstreams)
+    h = server.connect()
+    k = 8
+    offsets = [block * 4096 for block in range(10, 10 + 64 * k, 64)]  # apart: no readahead
+    buffers = [nbd.Buffer(4096) for _ in offsets]
+    for buf, offset in zip(buffers, offsets, strict=True):
+        h.aio_pread(buf, offset)
+    deadline = time.monotonic() + 60
+    while h.aio_in_flight() and time.monotonic() < deadline:
+        h.poll(1000)
+    assert not h.aio_in_flight()
+    for buf, offset in zip(buffers, offsets, strict=True):
+        assert buf.to_bytearray() == image.expected(offset, 4096)
+    data_reads = [r for r in reads(data_log) if r[0] in offsets]
+    assert sorted(r[0] for r in data_reads) == offsets
+    if has_send_race(nbdkit_version(NBDKIT)):
+        assert most_at_once(data_reads) == 1
+        log = server.log_path.read_text()
+        assert "serves one request of a connection at a time" in log, log
+    else:
+        assert most_at_once(data_reads) == k
+
+
+def test_a_sequential_stream_reads_ahead_of_its_client(image, sockdir, tmp_path, servers,
+                                                       upstreams):
+    """One client reading in order, one request at a time: after the stream's first
+    requests the data upstream has several reads in flight at once (the stream's next
+    requests, started ahead), and every byte served is the image's."""
+    server, data_log, _ = serve(image, sockdir, tmp_path, servers, upstreams, readahead=True)
+    h = server.connect()
+    size = 64 << 10
+    for offset in range(0, 16 * size, size):
+        assert h.pread(size, offset) == image.expected(offset, size)
+    assert most_at_once(reads(data_log)) >= 4
+
+
+def test_a_bad_block_read_ahead_fails_exactly_its_request(image, sockdir, tmp_path, servers,
+                                                          upstreams):
+    damaged = image.copy(tmp_path / "damaged")
+    bad = 40  # data block: in the stream's sixth 32 KiB request
+    flip_byte(damaged.data, bad * image.data_block_size + 5)
+    server, _, _ = serve(damaged, sockdir, tmp_path, servers, upstreams, readahead=True)
+    h = server.connect()
+    size = 32 << 10
+    for offset in range(0, 12 * size, size):
+        if offset <= bad * 4096 < offset + size:
+            expect_eio(h, size, offset)
+        else:
+            assert h.pread(size, offset) == image.expected(offset, size)
