@@ -16,8 +16,8 @@ whatever that declines to the general path, Dispatcher.read (schedule/dispatch.p
 A failed request is raised by nbdkit_compat.FailureRaiser, outside any `except` block, so
 that nbdkit 1.32's leak of every failed callback's exception costs nothing (see there);
 requests above the advertised maximum fail with EINVAL before any work. The thread model
-is configured, or settled by thread_model() (auto: parallel for an image read over a
-network where nbdkit has no disconnect race, nbdkit_compat).
+is SERIALIZE_REQUESTS unless configured otherwise (nbdkit_compat: the disconnect race);
+for an image read over a network, the start-up says how to get more in flight.
 """
 
 import ctypes
@@ -35,7 +35,6 @@ from nbd_verity.ioclass import CLASSES
 from nbd_verity.limits import MAX_REQUEST_SIZE
 from nbd_verity.log import log
 from nbd_verity.prepare.config import (
-    AUTO,
     PARALLEL,
     SERIALIZE_ALL_REQUESTS,
     SERIALIZE_REQUESTS,
@@ -175,8 +174,8 @@ _THREAD_MODELS = {
 
 def thread_model():
     name = _config.effective_thread_model
-    if name == AUTO:
-        name = nbdkit_compat.auto_thread_model(_config.waits, nbdkit_compat.nbdkit_version())
+    if name == SERIALIZE_REQUESTS and _config.waits:
+        nbdkit_compat.say_one_at_a_time(nbdkit_compat.nbdkit_version())
     if name == PARALLEL:
         version = nbdkit_compat.nbdkit_version()
         if nbdkit_compat.has_send_race(version):

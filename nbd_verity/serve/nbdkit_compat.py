@@ -42,7 +42,6 @@ import traceback
 import weakref
 
 from ..log import log
-from ..prepare.config import PARALLEL, SERIALIZE_REQUESTS
 
 RACE_FIRST = (1, 32, 4)  # the first version with the disconnect race
 RACE_FIXED = (1, 34, 0)  # commit 9d82aa4f "server: Fix race in raw_send_socket"
@@ -79,20 +78,15 @@ def leaks_failures(version: tuple[int, int, int] | None) -> bool | None:
     return True if known else None
 
 
-def auto_thread_model(waits: bool, version) -> str:
-    """thread-model=auto: a connection's requests served together (PARALLEL) where the
-    image is read over a network and this nbdkit has no disconnect race; else one at a
-    time (SERIALIZE_REQUESTS), and for a network image a line that says how to get more
-    in flight (docs/server.md, "Storage with latency")."""
-    if not waits:
-        return SERIALIZE_REQUESTS
-    if not has_send_race(version):
-        return PARALLEL
-    log(f"thread-model: nbdkit {version_text(version)} serves one request of "
-        f"a connection at a time here (its parallel model can be aborted by a client, "
-        f"fixed in 1.34.0); for several in flight open several connections "
-        f"(nbd-client -C N) or pass --thread-model parallel")
-    return SERIALIZE_REQUESTS
+def say_one_at_a_time(version) -> None:
+    """The start-up line of a network image served in serialize-requests: a client's
+    requests on one connection reach the storage one at a time, and how to get more in
+    flight (docs/server.md, "Storage with latency")."""
+    risk = (f"; on nbdkit {version_text(version)} a client can abort its parallel model"
+            if has_send_race(version) else "")
+    log(f"thread-model serialize-requests: a connection's requests reach the image one at "
+        f"a time; for several in flight open several connections (nbd-client -C N) or "
+        f"pass --thread-model parallel{risk}")
 
 
 def version_text(version: tuple[int, int, int] | None) -> str:

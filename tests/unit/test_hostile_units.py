@@ -9,11 +9,11 @@ import subprocess
 from nbd_verity import logbound
 from nbd_verity.launch import NBDKIT
 from nbd_verity.serve.nbdkit_compat import (
-    auto_thread_model,
     has_send_race,
     leaks_failures,
     nbdkit_version,
     parse_version,
+    say_one_at_a_time,
 )
 
 
@@ -74,20 +74,16 @@ def test_nbdkit_versions():
     assert leaks_failures(None) is None  # unknown: found out at the first failures
 
 
-def test_auto_thread_model_serves_a_network_images_requests_together_where_safe(capfd):
-    """thread-model=auto: parallel only for an image read over a network on an nbdkit
-    without the disconnect race; on 1.32 one at a time, and a line that says so."""
-    assert auto_thread_model(False, (1, 42, 3)) == "serialize-requests"
-    assert auto_thread_model(False, (1, 32, 5)) == "serialize-requests"
-    assert capfd.readouterr().err == ""  # a local image: nothing to say
-    assert auto_thread_model(True, (1, 42, 3)) == "parallel"
-    assert auto_thread_model(True, (1, 34, 0)) == "parallel"
-    assert capfd.readouterr().err == ""
-    assert auto_thread_model(True, (1, 32, 5)) == "serialize-requests"
-    assert auto_thread_model(True, None) == "serialize-requests"  # unknown: as 1.32
+def test_a_network_image_served_one_request_at_a_time_says_how_to_get_more(capfd):
+    """The start-up line of serialize-requests for a network image: the workarounds, and
+    the parallel model's risk where nbdkit has the disconnect race."""
+    say_one_at_a_time((1, 42, 3))
+    say_one_at_a_time((1, 32, 5))
     lines = capfd.readouterr().err.splitlines()
-    assert len(lines) == 2 and "nbdkit 1.32.5 serves one request of a connection at a " \
-        "time" in lines[0] and "--thread-model parallel" in lines[0], lines
+    assert len(lines) == 2, lines
+    assert all("one at a time" in line and "nbd-client -C N" in line and
+               "--thread-model parallel" in line for line in lines), lines
+    assert "abort" not in lines[0] and "nbdkit 1.32.5 a client can abort" in lines[1]
 
 
 def test_nbdkit_version_is_asked_of_each_binary(tmp_path):

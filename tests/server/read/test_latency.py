@@ -53,6 +53,7 @@ def reads(log_path: str) -> list[tuple[int, int, datetime.datetime, datetime.dat
 
 
 def delayed(path, sockdir: str, name: str, tmp_path) -> tuple[NbdkitFile, str]:
+    tmp_path.mkdir(parents=True, exist_ok=True)
     log = str(tmp_path / f"{name}.reads")
     upstream = NbdkitFile(path, sockdir, name, ("log", "delay"),
                           (f"rdelay={DELAY}", f"logfile={log}")).start()
@@ -67,7 +68,7 @@ def upstreams():
         server.stop()
 
 
-def serve(image, sockdir, tmp_path, servers, upstreams, readahead: bool = False):
+def serve(image, sockdir, tmp_path, servers, upstreams, readahead: bool = False, **keys):
     """nbd-verity serve of image's data and hash images behind delayed, logged upstreams
     (readahead: Merkle and data readahead, off unless asked for)."""
     data, data_log = delayed(image.data, sockdir, "up-data", tmp_path)
@@ -75,7 +76,7 @@ def serve(image, sockdir, tmp_path, servers, upstreams, readahead: bool = False)
     upstreams += [data, hashes]
     server = servers.start(replace(image, data=data.uri, hash=hashes.uri),
                            control=os.path.join(sockdir, "ctl.sock"),
-                           readahead="true" if readahead else "false")
+                           readahead="true" if readahead else "false", **keys)
     return server, data_log, hash_log
 
 
@@ -135,33 +136,38 @@ def most_at_once(spans) -> int:
     return most
 
 
-def test_requests_in_flight_on_one_connection_reach_the_upstream_together(
+def test_requests_in_flight_on_one_connection_reach_the_upstream_as_the_model_says(
         image, sockdir, tmp_path, servers, upstreams):
-    """K reads sent at once on one connection: on an nbdkit without the disconnect race
-    the default thread model (auto) serves them together, and K data reads are in flight
-    at the upstream at once; on nbdkit 1.32 they come one at a time, and the server said
-    at start-up how to get more."""
-    server, data_log, _ = serve(image, sockdir, tmp_path, servers, upstreams)
-    h = server.connect()
+    """K reads sent at once on one connection: by default (serialize-requests) they reach
+    the upstream one at a time, and the server said at start-up how to get more; in the
+    parallel model (where this nbdkit allows it) all K are in flight there at once."""
     k = 8
     offsets = [block * 4096 for block in range(10, 10 + 64 * k, 64)]  # apart: no readahead
-    buffers = [nbd.Buffer(4096) for _ in offsets]
-    for buf, offset in zip(buffers, offsets, strict=True):
-        h.aio_pread(buf, offset)
-    deadline = time.monotonic() + 60
-    while h.aio_in_flight() and time.monotonic() < deadline:
-        h.poll(1000)
-    assert not h.aio_in_flight()
-    for buf, offset in zip(buffers, offsets, strict=True):
-        assert buf.to_bytearray() == image.expected(offset, 4096)
-    data_reads = [r for r in reads(data_log) if r[0] in offsets]
-    assert sorted(r[0] for r in data_reads) == offsets
-    if has_send_race(nbdkit_version(NBDKIT)):
-        assert most_at_once(data_reads) == 1
-        log = server.log_path.read_text()
-        assert "serves one request of a connection at a time" in log, log
-    else:
-        assert most_at_once(data_reads) == k
+    models = ["serialize-requests"] + ([] if has_send_race(nbdkit_version(NBDKIT))
+                                       else ["parallel"])
+    for model in models:
+        server, data_log, _ = serve(image, sockdir, tmp_path / model, servers, upstreams,
+                                    thread_model=model)
+        h = server.connect()
+        buffers = [nbd.Buffer(4096) for _ in offsets]
+        for buf, offset in zip(buffers, offsets, strict=True):
+            h.aio_pread(buf, offset)
+        deadline = time.monotonic() + 60
+        while h.aio_in_flight() and time.monotonic() < deadline:
+            h.poll(1000)
+        assert not h.aio_in_flight()
+        for buf, offset in zip(buffers, offsets, strict=True):
+            assert buf.to_bytearray() == image.expected(offset, 4096)
+        data_reads = [r for r in reads(data_log) if r[0] in offsets]
+        assert sorted(r[0] for r in data_reads) == offsets
+        if model == "parallel":
+            assert most_at_once(data_reads) == k
+        else:
+            assert most_at_once(data_reads) == 1
+            assert "reach the image one at a time" in server.log_path.read_text()
+        server.stop()
+        for upstream in upstreams[-2:]:
+            upstream.stop()
 
 
 def test_a_sequential_stream_reads_ahead_of_its_client(image, sockdir, tmp_path, servers,
