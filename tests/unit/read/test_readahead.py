@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from nbd_verity.format.params import VerityParams
-from nbd_verity.read.readahead import INITIAL_LEAVES, MAX_LEAVES, Readahead
+from nbd_verity.read.readahead import DATA_AHEAD, INITIAL_LEAVES, MAX_LEAVES, Readahead
 
 KIB = 1 << 10
 LEAF_DATA = 128 * 4 * KIB  # data bytes one level-0 block covers at 4096/4096 sha256
@@ -18,10 +18,13 @@ LEAF_DATA = 128 * 4 * KIB  # data bytes one level-0 block covers at 4096/4096 sh
 class Recorder:
     """A verifier stand-in: the geometry of a 1 GiB device, calls recorded."""
 
-    def __init__(self, cache_blocks: int = 16384) -> None:
+    def __init__(self, cache_blocks: int = 16384, slow_data: bool = False) -> None:
         self.geo = VerityParams(data_blocks=(1 << 30) // 4096).geometry()
         self.cache = SimpleNamespace(capacity=cache_blocks)
         self.calls: list[tuple] = []
+        self.data = SimpleNamespace(  # a data source that reads ahead (sources/ahead.py)
+            waits=lambda: slow_data,
+            ahead=lambda offset, length: self.calls.append(("data", offset, length)))
 
     def prefetch(self, first_block: int, blocks: int) -> int:
         self.calls.append(("blocks", first_block, blocks))
@@ -85,3 +88,17 @@ def test_a_seek_ends_the_stream():
     count = len(v.calls)
     ra.before_read(100 * LEAF_DATA + 4 * KIB, 4 * KIB)  # a new stream, window reset
     assert v.calls[count:] == [("leaves", 100, 100 + INITIAL_LEAVES)]
+
+
+def test_a_stream_on_a_slow_data_source_starts_its_next_requests_reads():
+    """On a data source that waits, each request that continues the stream starts the
+    data reads of the next DATA_AHEAD requests of its size; on a fast one, none."""
+    for slow in (False, True):
+        verifier = Recorder(slow_data=slow)
+        ra = Readahead(verifier, 128 * KIB)
+        size = 128 * KIB
+        ra.before_read(0, size)  # the stream's first request: nothing to continue
+        ra.before_read(size, size)
+        data = [c for c in verifier.calls if c[0] == "data"]
+        want = [("data", 2 * size + i * size, size) for i in range(DATA_AHEAD)]
+        assert data == (want if slow else []), data
