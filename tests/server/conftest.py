@@ -163,3 +163,12 @@ def small_block_image(images_dir) -> Image:
     """256 KiB in 512-byte data and hash blocks: 16 digests per block, 3 levels."""
     return make_image(images_dir / "small", random_bytes(2, 256 << 10),
                       "--data-block-size=512", "--hash-block-size=512")
+
+
+@pytest.fixture
+def upstreams():
+    """Upstream servers a test starts (tests/server/upstreams.py), stopped after it."""
+    started = []
+    yield started
+    for server in started:
+        server.stop()

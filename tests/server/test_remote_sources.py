@@ -158,14 +158,6 @@ def upstream_pair(remote_image, sockdir, data_filters=(), data_keys=(), hash_fil
     return data.start(), hashes.start()
 
 
-@pytest.fixture
-def upstreams():
-    started = []
-    yield started
-    for server in started:
-        server.stop()
-
-
 @pytest.mark.parametrize("tcp", [False, True], ids=["nbd+unix", "nbd"])
 def test_nbd_upstream_reads_back(remote_image, sockdir, upstreams, servers, tcp):
     data, hashes = upstream_pair(remote_image, sockdir, tcp=tcp)

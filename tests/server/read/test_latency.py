@@ -60,14 +60,6 @@ def delayed(path, sockdir: str, name: str, tmp_path) -> tuple[NbdkitFile, str]:
     return upstream, log
 
 
-@pytest.fixture
-def upstreams():
-    started = []
-    yield started
-    for server in started:
-        server.stop()
-
-
 def serve(image, sockdir, tmp_path, servers, upstreams, readahead: bool = False, **keys):
     """nbd-verity serve of image's data and hash images behind delayed, logged upstreams
     (readahead: Merkle and data readahead, off unless asked for)."""
