@@ -20,12 +20,14 @@ from ..read.cache import DEFAULT_CACHE_SIZE
 from ..read.counters import EIO, MODES
 
 READAHEAD_MIN_SIZE = 128 << 10  # a request this large triggers Merkle readahead
-# nbdkit thread models by name. SERIALIZE_REQUESTS is the default: requests of one
-# connection in order, connections in parallel (multi-conn is advertised). PARALLEL can be
-# aborted by a client on nbdkit 1.32.4-1.33.9 (nbd_verity/serve/nbdkit_compat.py).
+# nbdkit thread models by name. AUTO is the default: PARALLEL (a connection's requests
+# served together) where the image is read over a network and nbdkit has neither the
+# disconnect race nor a lack of nbdkit.disconnect, SERIALIZE_REQUESTS otherwise (requests
+# of one connection in order, connections in parallel, multi-conn advertised). PARALLEL
+# can be aborted by a client on nbdkit 1.32.4-1.33.9 (nbd_verity/serve/nbdkit_compat.py).
 SERIALIZE_REQUESTS, SERIALIZE_ALL_REQUESTS = "serialize-requests", "serialize-all-requests"
-PARALLEL = "parallel"
-THREAD_MODELS = (SERIALIZE_REQUESTS, SERIALIZE_ALL_REQUESTS, PARALLEL)
+PARALLEL, AUTO = "parallel", "auto"
+THREAD_MODELS = (AUTO, SERIALIZE_REQUESTS, SERIALIZE_ALL_REQUESTS, PARALLEL)
 
 _SUFFIXES = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
@@ -105,7 +107,7 @@ class ServerConfig:
     root_hash_signature: str | None = None  # DER PKCS#7, or a verity.sig JSON file
     trusted_certs: str | None = None  # a PEM file or a directory; None: verity.d places
     require_signatures: bool = False  # the kernel's require_signatures: no start unsigned
-    thread_model: str = SERIALIZE_REQUESTS
+    thread_model: str = AUTO
     log_rate: int = DEFAULT_LOG_RATE
     fec_device: str | None = None  # Reed-Solomon parity, as veritysetup --fec-device
     fec_roots: int = 2  # veritysetup's default --fec-roots
@@ -125,13 +127,14 @@ class ServerConfig:
 
     @property
     def effective_thread_model(self) -> str:
-        """serialize=true is serialize-all-requests; otherwise thread-model decides."""
+        """serialize=true is serialize-all-requests; otherwise thread-model decides (AUTO
+        left for the server to settle: serve/callbacks.py thread_model)."""
         return SERIALIZE_ALL_REQUESTS if self.serialize else self.thread_model
 
     @property
     def waits(self) -> bool:
         """Whether the image is read over a network (an NBD, HTTP or S3 URL), where a
-        read waits and a connection's requests would pay to be served together."""
+        read waits and a connection's requests pay to be served together."""
         from ..sources.remote import is_url
         return any(is_url(name) for name in (self.data, self.hash) if name)
 

@@ -86,12 +86,12 @@ class OpenedImage:
             getattr(source, "reset_counters", lambda: None)()
 
     def close(self) -> None:
-        verifier = getattr(self, "verifier", None)
-        if verifier is not None:  # its reads in flight end before their sources close
-            verifier.beside.stop()
-        for opened in (self.data, self.hashes, self.fec):
+        for opened in (self.data, self.hashes, self.fec):  # their waits end (NbdSource)
             if opened is not None:
                 opened.close()
+        verifier = getattr(self, "verifier", None)
+        if verifier is not None:  # then the hash reads in flight, failed or done, end
+            verifier.beside.stop()
 
 
 def checked_params(tree, data, hashes, hash_path: str, whole_hash: bool = True) -> VerityParams:

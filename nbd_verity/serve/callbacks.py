@@ -16,8 +16,9 @@ whatever that declines to the general path, Dispatcher.read (schedule/dispatch.p
 A failed request is raised by nbdkit_compat.FailureRaiser, outside any `except` block, so
 that nbdkit 1.32's leak of every failed callback's exception costs nothing (see there);
 requests above the advertised maximum fail with EINVAL before any work. The thread model
-is SERIALIZE_REQUESTS unless configured otherwise (nbdkit_compat: the disconnect race);
-for an image read over a network, the start-up says how to get more in flight.
+is configured, or settled by thread_model() (auto: parallel for an image read over a
+network where nbdkit has no disconnect race, nbdkit_compat; otherwise serialize-requests,
+and for a network image a start-up line that says how to get more in flight).
 """
 
 import ctypes
@@ -35,6 +36,7 @@ from nbd_verity.ioclass import CLASSES
 from nbd_verity.limits import MAX_REQUEST_SIZE
 from nbd_verity.log import log
 from nbd_verity.prepare.config import (
+    AUTO,
     PARALLEL,
     SERIALIZE_ALL_REQUESTS,
     SERIALIZE_REQUESTS,
@@ -140,6 +142,17 @@ def _stopping() -> bool:
         return False
 
 
+def _hang_up():
+    """A read ended because the server stops: close this connection (nbdkit >= 1.40).
+    In the parallel model another worker of the connection sits in a read of the socket
+    for the client's next request, and nbdkit exits only once that ends: the shut socket
+    makes the client hang up (a kernel /dev/nbdX too). A serialising model would close it
+    after this reply anyway; older nbdkit waits for the client."""
+    disconnect = getattr(nbdkit, "disconnect", None)
+    if disconnect is not None:
+        disconnect(False)
+
+
 def _restart():
     """restart-on-corruption, as the kernel's panic-free variant: stop serving, and exit
     with the status that asks the supervisor for a restart. nbdkit.shutdown() stops new
@@ -174,7 +187,10 @@ _THREAD_MODELS = {
 
 def thread_model():
     name = _config.effective_thread_model
-    if name == SERIALIZE_REQUESTS and _config.waits:
+    if name == AUTO:
+        name = nbdkit_compat.auto_thread_model(_config.waits, nbdkit_compat.nbdkit_version(),
+                                               hasattr(nbdkit, "disconnect"))
+    elif name == SERIALIZE_REQUESTS and _config.waits:
         nbdkit_compat.say_one_at_a_time(nbdkit_compat.nbdkit_version())
     if name == PARALLEL:
         version = nbdkit_compat.nbdkit_version()
@@ -306,6 +322,8 @@ def pread(h, buf, offset, flags):
                 problem = errno.EIO, str(e)
             except ImageIOError as e:  # counted and logged by the dispatcher
                 problem = errno.EIO, str(e)
+                if _stopping():
+                    _hang_up()
     finally:
         if counted:
             _gate.leave(h.io_class)

@@ -42,6 +42,7 @@ import traceback
 import weakref
 
 from ..log import log
+from ..prepare.config import PARALLEL, SERIALIZE_REQUESTS
 
 RACE_FIRST = (1, 32, 4)  # the first version with the disconnect race
 RACE_FIXED = (1, 34, 0)  # commit 9d82aa4f "server: Fix race in raw_send_socket"
@@ -76,6 +77,20 @@ def leaks_failures(version: tuple[int, int, int] | None) -> bool | None:
     None where it is not known (FailureRaiser finds out)."""
     known = version is not None and LEAK_KNOWN[0] <= version <= LEAK_KNOWN[1]
     return True if known else None
+
+
+def auto_thread_model(waits: bool, version, can_hang_up: bool) -> str:
+    """thread-model=auto: a connection's requests served together (PARALLEL) where the
+    image is read over a network, this nbdkit has no disconnect race, and a read that the
+    server's stop ends can shut its connection (can_hang_up: nbdkit.disconnect; without it
+    a parallel server waits on SIGTERM for every client to hang up); SERIALIZE_REQUESTS
+    otherwise, and for a network image a start-up line that says how to get more in
+    flight (docs/server.md, "Storage with latency")."""
+    if waits and not has_send_race(version) and can_hang_up:
+        return PARALLEL
+    if waits:
+        say_one_at_a_time(version)
+    return SERIALIZE_REQUESTS
 
 
 def say_one_at_a_time(version) -> None:

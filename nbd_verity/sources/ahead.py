@@ -31,6 +31,11 @@ WEIGHT = 0.125  # each read's share of the latency estimate
 MAX_STAGED = 64  # reads started ahead and not yet taken, all streams together
 MAX_STAGED_BYTES = 64 << 20  # ... and their bytes
 IO_THREADS = 16
+WAIT_SLICE_S = 0.25  # a staged read is waited for in slices, after each stopping() is asked
+
+
+class _Stopping(Exception):
+    """The server stops: the request fails now, without reading again."""
 
 
 class AheadSource:
@@ -82,13 +87,26 @@ class AheadSource:
                 self._bytes -= len(buf)
         if staged is not None:
             try:
-                buf[:] = staged.result()
+                buf[:] = self._result(staged)
                 return
+            except _Stopping as e:
+                raise ImageIOError(str(e)) from None
             except ImageIOError:
                 pass  # read again: the request's own error, or its own success
         started = time.perf_counter()
         self.source.read_into(buf, offset)
         self._timed(time.perf_counter() - started)
+
+    def _result(self, staged):
+        """A staged read's bytes, waited for in slices: a server stopping ends the wait."""
+        stopping = getattr(self.source, "stopping", None)
+        while True:
+            try:
+                return staged.result(WAIT_SLICE_S)
+            except TimeoutError:
+                if stopping is not None and stopping():
+                    raise _Stopping(f"{self.source.role}: read ahead abandoned, the "
+                                    f"server is stopping") from None
 
     def read(self, size: int, offset: int) -> bytearray:
         buf = bytearray(size)
@@ -96,10 +114,11 @@ class AheadSource:
         return buf
 
     def close(self) -> None:
+        """The source first: its reads in flight end (NbdSource.close), then the threads."""
         with self._lock:
             io, self._io = self._io, None
             self._staged.clear()
             self._bytes = 0
+        self.source.close()
         if io is not None:
             io.shutdown(wait=True)
-        self.source.close()

@@ -151,6 +151,7 @@ class NbdSource:
         self._open = 0  # connections in existence (idle or in use)
         self._dropped = False  # a connection was lost since the last one was opened
         self._drain_until = 0.0  # after an ESHUTDOWN: keep no connection idle until then
+        self._closed = threading.Event()  # close(): every wait ends, no read starts
         first = self._connect()  # start-up: a refused connection is a clear error here
         self._size = first.get_size()
         self.multi_conn = bool(first.can_multi_conn())
@@ -158,7 +159,6 @@ class NbdSource:
         self._max_read = _max_read_size(first)
         self._open = 1
         self._idle.append((first, time.monotonic()))
-        self._closed = threading.Event()
         self._reaper_pid = 0  # the process whose reaper thread runs (none survives a fork)
 
     # -- connections ------------------------------------------------------------------
@@ -191,15 +191,21 @@ class NbdSource:
             if time.monotonic() > deadline:
                 _abandon(h)
                 raise ImageIOError(f"{where}: {what} in {self.timeout_s:g} s")
-            if h.poll(POLL_SLICE_MS) == 0 and self.stopping():
+            if h.poll(POLL_SLICE_MS) == 0 and (self.stopping() or self._closed.is_set()):
                 _abandon(h)
                 raise ImageIOError(f"{where}: abandoned, the server is stopping")
 
     def _take(self):
         """An idle connection, a new one (up to the limit), or wait for one."""
         with self._free:
-            while not self._idle and self._open >= self.max_connections:
-                self._free.wait()
+            while self._closed.is_set() or (not self._idle and
+                                            self._open >= self.max_connections):
+                # in slices, as _wait: a server stopping ends this wait too
+                if self._closed.is_set() or (not self._free.wait(POLL_SLICE_MS / 1000)
+                                             and self.stopping()):
+                    self.source_errors += 1
+                    raise ImageIOError(f"{self.role}: {redacted(self.path)}: abandoned, "
+                                       f"the server is stopping")
             if self._idle:
                 return self._idle.pop()[0]
             self._open += 1
@@ -224,7 +230,7 @@ class NbdSource:
         answer (dropped, timed out with a request in flight). For DRAIN_S after a server
         said it is shutting down, every connection is closed after its request: one opened
         meanwhile may be to that same dying server, which cannot exit while we hold it."""
-        broken = broken or time.monotonic() < self._drain_until
+        broken = broken or time.monotonic() < self._drain_until or self._closed.is_set()
         if broken:
             _close(h)
         with self._free:

@@ -9,6 +9,7 @@ import subprocess
 from nbd_verity import logbound
 from nbd_verity.launch import NBDKIT
 from nbd_verity.serve.nbdkit_compat import (
+    auto_thread_model,
     has_send_race,
     leaks_failures,
     nbdkit_version,
@@ -72,6 +73,24 @@ def test_nbdkit_versions():
     assert not has_send_race((1, 34, 0)) and not has_send_race((1, 30, 0))
     assert leaks_failures((1, 32, 5)) is True and leaks_failures((1, 34, 0)) is None
     assert leaks_failures(None) is None  # unknown: found out at the first failures
+
+
+def test_auto_thread_model_serves_a_network_images_requests_together_where_safe(capfd):
+    """thread-model=auto: parallel only for an image read over a network on an nbdkit
+    without the disconnect race that can shut a connection; else one at a time, and for
+    a network image a line that says so."""
+    assert auto_thread_model(False, (1, 42, 3), True) == "serialize-requests"
+    assert auto_thread_model(False, (1, 32, 5), False) == "serialize-requests"
+    assert capfd.readouterr().err == ""  # a local image: nothing to say
+    assert auto_thread_model(True, (1, 42, 3), True) == "parallel"
+    assert auto_thread_model(True, (1, 34, 0), True) == "parallel"
+    assert capfd.readouterr().err == ""
+    assert auto_thread_model(True, (1, 34, 0), False) == "serialize-requests"
+    assert auto_thread_model(True, (1, 32, 5), False) == "serialize-requests"
+    assert auto_thread_model(True, None, True) == "serialize-requests"  # unknown: as 1.32
+    lines = capfd.readouterr().err.splitlines()
+    assert len(lines) == 3 and all("one at a time" in line for line in lines), lines
+    assert "nbdkit 1.32.5 a client can abort" in lines[1], lines
 
 
 def test_a_network_image_served_one_request_at_a_time_says_how_to_get_more(capfd):
