@@ -19,7 +19,8 @@ served. What this module adds is the failure model of a network:
   the client has gone), so SIGTERM stops the server promptly whatever the upstream does;
 - parallel requests use a pool of connections, each carrying one request at a time and opened
   only when requests overlap, up to DEFAULT_CONNECTIONS, but only if the upstream advertises
-  multi-conn (NBD_FLAG_CAN_MULTI_CONN); otherwise one connection, which requests take in turn.
+  multi-conn (NBD_FLAG_CAN_MULTI_CONN); otherwise one connection that carries every read in
+  flight at once (pipe.py).
   The bound is nbdkit's default of 16 threads per client: a handle per busy thread, none for
   idle ones (docs/benchmarks.md, "Connections to an NBD source", has the measurements);
 - a connection idle for IDLE_S is closed (by a thread of the pool's, started with the first read
@@ -43,6 +44,7 @@ import urllib.parse
 from ..errors import ConfigError, ImageIOError, VerityError
 from ..limits import MAX_REQUEST_SIZE
 from . import handles
+from .pipe import Pipe
 from .source import ImageFile
 
 URI_SCHEMES = ("nbd", "nbds", "nbd+unix", "nbds+unix")
@@ -158,7 +160,10 @@ class NbdSource:
         self.max_connections = max(1, connections) if self.multi_conn else 1
         self._max_read = _max_read_size(first)
         self._open = 1
-        self._idle.append((first, time.monotonic()))
+        # without multi-conn: the one connection carries every read in flight (pipe.py)
+        self._pipe = None if self.multi_conn else Pipe(self, first, IDLE_S)
+        if self.multi_conn:
+            self._idle.append((first, time.monotonic()))
         self._reaper_pid = 0  # the process whose reaper thread runs (none survives a fork)
 
     # -- connections ------------------------------------------------------------------
@@ -276,10 +281,11 @@ class NbdSource:
                 self.source_errors += 1
             raise ImageIOError(f"{self.role} image {redacted(self.path)} ends at byte "
                                f"{self._size}, {offset + total} needed")
+        read = self._read_on_one if self._pipe is None else self._read_on_pipe
         try:
-            self._read_on_one(buf, offset)
+            read(buf, offset)
         except _Shutdown:  # that server is going: once more, on a new connection
-            self._read_on_one(buf, offset)
+            read(buf, offset)
 
     def _read_on_one(self, buf: memoryview, offset: int) -> None:
         """The read on one connection of the pool (given back, or closed if broken)."""
@@ -302,6 +308,23 @@ class NbdSource:
             raise
         finally:
             self._give_back(h, broken)
+
+    def _read_on_pipe(self, buf: memoryview, offset: int) -> None:
+        """The read on the one connection, beside the others in flight (pipe.py)."""
+        try:
+            for start in range(0, len(buf), self._max_read):
+                where = (f"{self.role} image {redacted(self.path)}: read at byte "
+                         f"{offset + start}")
+                self._pipe.read_into(buf[start:start + self._max_read], offset + start,
+                                     where)
+        except ImageIOError:
+            with self._lock:
+                self.source_errors += 1
+            raise
+
+    def count_reconnect(self) -> None:
+        with self._lock:
+            self.reconnects += 1
 
     def _pread(self, h, piece: memoryview, offset: int) -> None:
         """One NBD read into piece (shared, not copied); raises ImageIOError. A timed-out
@@ -331,6 +354,8 @@ class NbdSource:
 
     def close(self) -> None:
         self._closed.set()
+        if self._pipe is not None:
+            self._pipe.close()
         for h in self._take_idle(float("inf")):
             _close(h)
 

@@ -9,6 +9,7 @@ fails exactly its request, and no byte is served unverified.
 from __future__ import annotations
 
 import datetime
+import errno
 import os
 import re
 import time
@@ -52,18 +53,31 @@ def reads(log_path: str) -> list[tuple[int, int, datetime.datetime, datetime.dat
     return done
 
 
-def delayed(path, sockdir: str, name: str, tmp_path) -> tuple[NbdkitFile, str]:
+def delayed(path, sockdir: str, name: str, tmp_path,
+            multi_conn: bool = True) -> tuple[NbdkitFile, str]:
+    """A logged upstream whose reads wait DELAY (multi_conn False: it does not advertise
+    multi-conn, as nbd-server or a writable qemu-nbd export)."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     log = str(tmp_path / f"{name}.reads")
-    upstream = NbdkitFile(path, sockdir, name, ("log", "delay"),
-                          (f"rdelay={DELAY}", f"logfile={log}")).start()
+    filters, keys = ("log", "delay"), (f"rdelay={DELAY}", f"logfile={log}")
+    if not multi_conn:
+        filters, keys = ("log", "multi-conn", "delay"), (*keys, "multi-conn-mode=disable")
+    upstream = NbdkitFile(path, sockdir, name, filters, keys).start()
     return upstream, log
 
 
-def serve(image, sockdir, tmp_path, servers, upstreams, readahead: bool = False, **keys):
+def connections(log_path: str) -> set[str]:
+    """The connections an upstream's log filter saw a read on."""
+    with open(log_path) as f:
+        return {m.group(2) for m in map(READ.match, f) if m is not None}
+
+
+def serve(image, sockdir, tmp_path, servers, upstreams, readahead: bool = False,
+          multi_conn: bool = True, **keys):
     """nbd-verity serve of image's data and hash images behind delayed, logged upstreams
-    (readahead: Merkle and data readahead, off unless asked for)."""
-    data, data_log = delayed(image.data, sockdir, "up-data", tmp_path)
+    (readahead: Merkle and data readahead, off unless asked for; multi_conn: whether the
+    data upstream advertises it)."""
+    data, data_log = delayed(image.data, sockdir, "up-data", tmp_path, multi_conn)
     hashes, hash_log = delayed(image.hash, sockdir, "up-hash", tmp_path)
     upstreams += [data, hashes]
     server = servers.start(replace(image, data=data.uri, hash=hashes.uri),
@@ -163,6 +177,44 @@ def test_requests_in_flight_on_one_connection_reach_the_upstream_as_the_model_sa
         server.stop()
         for upstream in upstreams[-2:]:
             upstream.stop()
+
+
+def test_one_connection_to_an_upstream_without_multi_conn_carries_reads_together(
+        image, sockdir, tmp_path, servers, upstreams):
+    """An upstream that does not advertise multi-conn gets one connection, and K reads in
+    flight at our server (K clients: every thread model serves connections in parallel)
+    are K reads in flight on that one connection at once; every byte is the image's.
+    Then the upstream dies and is restarted: the next reads fail or are served, never
+    wrong, and the source reconnects."""
+    server, data_log, _ = serve(image, sockdir, tmp_path, servers, upstreams,
+                                multi_conn=False)
+    k = 8
+    offsets = [block * 4096 for block in range(10, 10 + 64 * k, 64)]  # apart: no readahead
+    clients = [server.connect() for _ in offsets]
+    buffers = [nbd.Buffer(4096) for _ in offsets]
+    for h, buf, offset in zip(clients, buffers, offsets, strict=True):
+        h.aio_pread(buf, offset)
+    deadline = time.monotonic() + 60
+    while any(h.aio_in_flight() for h in clients) and time.monotonic() < deadline:
+        for h in clients:
+            h.poll(10)
+    for buf, offset in zip(buffers, offsets, strict=True):
+        assert buf.to_bytearray() == image.expected(offset, 4096)
+    data_reads = [r for r in reads(data_log) if r[0] in offsets]
+    assert sorted(r[0] for r in data_reads) == offsets
+    assert most_at_once(data_reads) == k
+    assert len(connections(data_log)) == 1, connections(data_log)
+    data_upstream = upstreams[-2]
+    data_upstream.proc.kill()  # with our connection open
+    data_upstream.proc.wait()
+    data_upstream.start()
+    for block in (5, 6):  # the first may find the old connection gone: EIO, never a byte
+        try:
+            assert clients[0].pread(4096, block * 4096) == image.expected(block * 4096, 4096)
+        except nbd.Error as e:
+            assert e.errnum == errno.EIO and block == 5, e
+    totals = control_request(os.path.join(sockdir, "ctl.sock"), {"cmd": "stats"})
+    assert totals["stats"]["totals"]["reconnects"] >= 1, totals
 
 
 def test_a_sequential_stream_reads_ahead_of_its_client(image, sockdir, tmp_path, servers,
