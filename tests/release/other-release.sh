@@ -17,6 +17,8 @@
 #
 # With arguments, they go to pytest instead of `make test` (after `make setup`), for a
 # targeted run: tests/release/other-release.sh tests/server/test_hostile.py -x
+# With --command CMD, CMD runs there instead (after `make setup`), for a benchmark:
+# tests/release/other-release.sh --command '.venv/bin/python bench/storage.py --rounds 3'
 set -euo pipefail
 
 repo=$(cd "$(dirname "$0")/../.." && pwd)
@@ -115,7 +117,11 @@ main() {
     log "make test in a clone of $(git -C "$repo" rev-parse --short HEAD)," \
         "tree ready after $((SECONDS - start)) s"
     local status=0 run="make test"
-    [ $# -gt 0 ] && run="make setup && .venv/bin/python -m pytest $(printf '%q ' "$@")"
+    if [ "${1:-}" = --command ] && [ $# -eq 2 ]; then
+        run="make setup && $2"
+    elif [ $# -gt 0 ]; then
+        run="make setup && .venv/bin/python -m pytest $(printf '%q ' "$@")"
+    fi
     # In the background, waited for: a signal to this script ends the wait at once (bash
     # runs traps only between commands), and the EXIT trap then ends what runs inside.
     chroot "$root" /usr/bin/env -i HOME=/root LANG=C.UTF-8 TERM="${TERM:-dumb}" \
