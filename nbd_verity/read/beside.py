@@ -2,7 +2,7 @@
 
 When a request's level-0 hash blocks are not all cached, the kernel submits their reads
 at map time, together with the data I/O, so that one wait covers both. Here, when the
-hash source has latency (its reads took over LATENCY_S lately), Verifier.read starts a
+hash source is slow (sources/latency.py: over 250 µs per read lately), Verifier.read starts a
 Fetch before it reads the data: each level's missing blocks, from the request's leaves
 up to the first cached ancestor, are read in one read per level, every level at once,
 on the I/O threads; the request's own thread reads the data meanwhile, then finishes
@@ -14,7 +14,7 @@ trusted or which error a request gets. No data byte is used before its digest ma
 Invariants: nothing unverified enters the cache; a Fetch is finished by the thread that
 started it, after its data read; the I/O threads only read.
 Locking: none of its own. The cache is HashBlockCache's (its own lock); the latency is
-one float, replaced whole (a lost update costs one sample).
+Latency's (one float).
 """
 
 from __future__ import annotations
@@ -23,9 +23,8 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from ..errors import ImageIOError
+from ..sources.latency import Latency
 
-LATENCY_S = 250e-6  # a hash source slower than this per read is fetched beside the data
-WEIGHT = 0.125  # each read's share of the latency estimate (an exponential average)
 WAIT_SLICE_S = 0.25  # a fetch is waited for in slices, after each of which stopping() is asked
 IO_THREADS = 32  # reads in flight at once: 16 requests of a connection, two levels each
 
@@ -36,14 +35,8 @@ class Beside:
 
     def __init__(self, verifier) -> None:
         self.verifier = verifier
-        self.latency = 0.0  # seconds per hash read, lately (0: none measured yet)
+        self.latency = Latency()  # of the hash source: the verifier's reads and the fetches'
         self._io: ThreadPoolExecutor | None = None  # started at the first fetch (after fork)
-
-    def timed(self, seconds: float) -> None:
-        """One hash read's time (the verifier's, and the fetches'); the first is taken
-        whole (the start-up check of the root reads one)."""
-        latency = self.latency
-        self.latency = seconds if not latency else latency + WEIGHT * (seconds - latency)
 
     def start(self, first: int, count: int) -> Fetch | None:
         """A Fetch of data blocks first..first+count-1's missing hash blocks, started; None
@@ -51,17 +44,12 @@ class Beside:
         reads are cheaper than a hand-off)."""
         verifier = self.verifier
         geo = verifier.geo
-        if self.latency < LATENCY_S or geo.levels == 0:
+        if not self.latency.slow() or geo.levels == 0:
             return None
-        cache = verifier.cache
         lo, hi = geo.parent_slot(first)[0], geo.parent_slot(first + count - 1)[0]
         runs = []  # (level, lo, hi): each level's missing blocks, from level 0 up
         for level in range(geo.levels):
-            start = geo.level_start[level]
-            while lo <= hi and cache.contains(start + lo):
-                lo += 1
-            while hi >= lo and cache.contains(start + hi):
-                hi -= 1
+            lo, hi = verifier.uncached(level, lo, hi)
             if lo > hi:
                 break
             runs.append((level, lo, hi))
@@ -76,7 +64,7 @@ class Beside:
         geo, hbs = self.verifier.geo, self.verifier.geo.hash_block_size
         started = time.perf_counter()
         run = self.verifier.hashes.read((hi - lo + 1) * hbs, (geo.level_start[level] + lo) * hbs)
-        self.timed(time.perf_counter() - started)
+        self.latency.add(time.perf_counter() - started)
         return bytes(run)
 
     def stop(self) -> None:
@@ -115,6 +103,7 @@ class Fetch:
             reads += 1
             blocks += hi - lo + 1
             start = geo.level_start[level]
+            slots = d.slots_of(data, hbs)  # the whole run in one call, as prefetch_leaves
             for index in range(lo, hi + 1):
                 if cache.contains(start + index):
                     continue
@@ -126,8 +115,8 @@ class Fetch:
                     if parent is None:
                         continue
                     want = d.stored(parent, slot)
-                block = data[(index - lo) * hbs:(index - lo + 1) * hbs]
-                if d.digest(block) == want:
-                    cache.put(start + index, level, block)
+                if d.stored(slots, (index - lo) * d.slot_size) == want:
+                    cache.put(start + index, level,
+                              data[(index - lo) * hbs:(index - lo + 1) * hbs])
         if reads:
             verifier.counters.add(hash_reads=reads, hash_blocks_read=blocks)

@@ -95,7 +95,7 @@ class Verifier(FecRepairs):
         try:
             started = perf_counter()
             data = bytes(self.hashes.read(hbs, block * hbs))
-            self.beside.timed(perf_counter() - started)
+            self.beside.latency.add(perf_counter() - started)
         except ImageIOError as e:
             if self.fec is None:
                 raise
@@ -135,6 +135,15 @@ class Verifier(FecRepairs):
         return self.prefetch_leaves(geo.parent_slot(first_block)[0],
                                     geo.parent_slot(first_block + blocks - 1)[0])
 
+    def uncached(self, level: int, lo: int, hi: int) -> tuple[int, int]:
+        """Blocks lo..hi of a level without their cached ends (lo > hi: all cached)."""
+        start = self.geo.level_start[level]
+        while lo <= hi and self.cache.contains(start + lo):
+            lo += 1
+        while hi >= lo and self.cache.contains(start + hi):
+            hi -= 1
+        return lo, hi
+
     def prefetch_leaves(self, lo: int, hi: int) -> int:
         """Read level-0 blocks lo..hi (clipped to the tree) in one read, verify each
         against its parent and cache it; cached ends are not read again. Returns how
@@ -143,14 +152,10 @@ class Verifier(FecRepairs):
         geo = self.geo
         if geo.levels == 0:
             return 0
-        hi = min(hi, geo.level_blocks[0] - 1)
-        start = geo.level_start[0]
-        while lo <= hi and self.cache.contains(start + lo):  # trim cached ends
-            lo += 1
-        while hi >= lo and self.cache.contains(start + hi):
-            hi -= 1
+        lo, hi = self.uncached(0, lo, min(hi, geo.level_blocks[0] - 1))
         if lo > hi:
             return 0
+        start = geo.level_start[0]
         hbs = geo.hash_block_size
         try:
             run = self.hashes.read((hi - lo + 1) * hbs, (start + lo) * hbs)

@@ -10,11 +10,11 @@ threads, and the read that asks for exactly one of them takes its bytes (read_in
 Those bytes are untrusted like any other: the verifier hashes them in the request's
 buffer before a byte is served, as it does what read_into returns. A read started ahead
 that failed is read again by the request itself (its own error, or its own success).
-Only when the source is slow: reads that took under LATENCY_S lately start nothing.
+Only when the source is slow (sources/latency.py): a fast one starts nothing.
 Invariants: at most MAX_STAGED reads and MAX_STAGED_BYTES staged; one taken is gone; the
 oldest not taken is dropped first.
-Locking: one lock guards the staged reads (never held during I/O); the latency is one
-float, replaced whole.
+Locking: one lock guards the staged reads (never held during I/O); the latency is
+Latency's (one float).
 """
 
 from __future__ import annotations
@@ -25,9 +25,8 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
 from ..errors import ImageIOError
+from .latency import Latency
 
-LATENCY_S = 250e-6  # a source slower than this per read is read ahead of a stream
-WEIGHT = 0.125  # each read's share of the latency estimate
 MAX_STAGED = 64  # reads started ahead and not yet taken, all streams together
 MAX_STAGED_BYTES = 64 << 20  # ... and their bytes
 IO_THREADS = 16
@@ -43,7 +42,7 @@ class AheadSource:
 
     def __init__(self, source) -> None:
         self.source = source
-        self.latency = 0.0  # seconds per read, lately
+        self.latency = Latency()
         self._staged: OrderedDict = OrderedDict()  # (offset, length) -> Future
         self._bytes = 0  # staged
         self._lock = threading.Lock()
@@ -53,7 +52,7 @@ class AheadSource:
         return getattr(self.source, name)
 
     def waits(self) -> bool:
-        return self.latency >= LATENCY_S
+        return self.latency.slow()
 
     def ahead(self, offset: int, length: int) -> None:
         """Start reading length bytes at offset, unless that read is staged already."""
@@ -73,12 +72,8 @@ class AheadSource:
     def _timed_read(self, length: int, offset: int) -> bytearray:
         started = time.perf_counter()
         data = self.source.read(length, offset)
-        self._timed(time.perf_counter() - started)
+        self.latency.add(time.perf_counter() - started)
         return data
-
-    def _timed(self, seconds: float) -> None:
-        latency = self.latency
-        self.latency = seconds if not latency else latency + WEIGHT * (seconds - latency)
 
     def read_into(self, buf: memoryview, offset: int) -> None:
         with self._lock:
@@ -95,7 +90,7 @@ class AheadSource:
                 pass  # read again: the request's own error, or its own success
         started = time.perf_counter()
         self.source.read_into(buf, offset)
-        self._timed(time.perf_counter() - started)
+        self.latency.add(time.perf_counter() - started)
 
     def _result(self, staged):
         """A staged read's bytes, waited for in slices: a server stopping ends the wait."""

@@ -24,7 +24,7 @@ from nbd_verity.serve.nbdkit_compat import has_send_race, nbdkit_version
 from ..serverlib import MIB, control_request, expect_eio, flip_byte, make_image, random_bytes
 from ..upstreams import NbdkitFile
 
-DELAY = "150ms"  # every upstream read waits this long: far over beside.LATENCY_S
+DELAY = "150ms"  # every upstream read waits this long: far over sources/latency.SLOW_S
 READ = re.compile(r"^(\S+ \S+) (connection=\d+) (\.\.\.)?Read id=(\d+)"
                   r"(?: offset=(0x[0-9a-f]+) count=(0x[0-9a-f]+))?")
 
