@@ -15,7 +15,10 @@ Sources:
   random reads at QD1 and QD16 (a 2 GiB image).
 
     .venv/bin/python bench/storage.py [--rounds 3] [--runtime 4] [--delays 1ms,10ms]
-        [--disk]
+        [--disk] [--thread-models default,serialize-requests]
+
+`--delays 0ms` is a network source without latency (a page-cached upstream): where the
+thread model serve chooses for a network image is measured against the other one.
 
 It prints a markdown table for docs/benchmarks.md ("Storage with latency").
 """
@@ -61,21 +64,29 @@ def drop_caches() -> None:
         f.write("3\n")
 
 
-def measure_delay(image: images.Image, delay: str, rounds: int, runtime: float) -> list[dict]:
+def measure_delay(image: images.Image, delay: str, rounds: int, runtime: float,
+                  models: list[str]) -> list[dict]:
+    """Each workload, unverified then verified in each thread model (`default`: serve's
+    own choice), within each round."""
     rows = []
     with delayed(image.data, delay, "data") as data, delayed(image.hash, delay, "hash") as hashes:
+        served = images.Image(data.uri(), hashes.uri(), image.root, image.size, image.how)
         for rw, bs, qd in WORKLOADS:
             job = Job(rw, bs, 1, qd, runtime)
-            runs = []
+            runs: dict[str, list] = {model: [] for model in models}
             for _ in range(rounds):
                 unverified = fiorun.run(data.uri(), job, image.size).mb_s
-                with servers.verity_server("verified", images.Image(
-                        data.uri(), hashes.uri(), image.root, image.size, image.how),
-                        []) as server:
-                    verified = fiorun.run(server.uri(), job, image.size).mb_s
-                runs.append((unverified, verified))
-                say(f"delay {delay}: {label(rw, bs, qd)}: {unverified:.1f} / {verified:.1f}")
-            rows.append(summary(f"NBD, {delay} per read", label(rw, bs, qd), runs))
+                for model in models:
+                    options = [] if model == "default" else ["--thread-model", model]
+                    with servers.verity_server("verified", served, options) as server:
+                        verified = fiorun.run(server.uri(), job, image.size).mb_s
+                    runs[model].append((unverified, verified))
+                    say(f"delay {delay} ({model}): {label(rw, bs, qd)}: {unverified:.1f} / "
+                        f"{verified:.1f}")
+            for model in models:
+                source = f"NBD, {delay} per read" + ("" if model == "default"
+                                                     else f", --thread-model {model}")
+                rows.append(summary(source, label(rw, bs, qd), runs[model]))
     return rows
 
 
@@ -135,11 +146,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--runtime", type=float, default=4.0)
     parser.add_argument("--delays", default="1ms,10ms")
     parser.add_argument("--disk", action="store_true", help="also the uncached disk (root)")
+    parser.add_argument("--thread-models", default="default",
+                        help="verified in each of these (comma-separated; default: serve's "
+                             "own choice), e.g. default,serialize-requests")
     args = parser.parse_args(argv[1:])
     image = images.random_image(SIZE)
     rows = []
     for delay in args.delays.split(","):
-        rows += measure_delay(image, delay, args.rounds, args.runtime)
+        rows += measure_delay(image, delay, args.rounds, args.runtime,
+                              args.thread_models.split(","))
     if args.disk:
         rows += measure_disk(args.rounds, args.runtime)
     print(f"{report.machine()}; load {report.load()}; {args.rounds} rounds of "
