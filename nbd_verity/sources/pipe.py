@@ -2,9 +2,10 @@
 advertise multi-conn (NbdSource opens one connection to it, and the NBD protocol lets a
 client have many requests in flight on it, as the kernel's nbd driver and qemu do).
 
-Each reading thread sends its own request (libnbd's aio_pread into the caller's buffer:
-no copy) and waits for its reply; one thread per process (started at the first read, so
-that none is lost in a fork) drives the connection: it waits in select() on the socket
+Each reading thread sends its own request (libnbd's aio_pread into a buffer of the
+read's own, copied into the caller's once answered) and waits for its reply; one thread
+per process (started at the first read, so that none is lost in a fork) drives the
+connection: it waits in select() on the socket
 and on a wake-up pipe, and lets libnbd read the replies (aio_notify_read/write). libnbd
 holds a handle's lock for the whole of its own poll, which would block every other
 request for that long: here no libnbd call waits. The failure model is NbdSource's:
@@ -12,13 +13,15 @@ request for that long: here no libnbd call waits. The failure model is NbdSource
   connection and raises _Shutdown, which NbdSource tries once more on a new one;
 - a dropped connection fails every read in flight on it; the next read reconnects
   (`reconnects`);
-- a read unanswered after timeout_s, or whose waiter finds the server stopping, drops the
-  connection (as a timed-out read does in the pool): its reads in flight fail;
+- a read unanswered after timeout_s drops the connection (as a timed-out read does in the
+  pool): its reads in flight fail. A waiter that finds the server stopping (or its own
+  client gone) fails its request at once and leaves the read in flight: the reply lands
+  in the read's own buffer, so the other clients' reads on the connection go on;
 - idle for IDLE_S, the connection is closed (an upstream stopped with SIGTERM can exit).
 Locking: one lock guards the handle, the reads in flight and the counters, and is held
 for every libnbd call on the handle (none of them waits: the waiting is select()'s, which
-runs without it). A handle is closed under it, so no reply is written into a buffer
-whose reader has gone.
+runs without it). A read's buffer is its own until answered: no reply is written into
+memory whose reader has gone.
 """
 
 from __future__ import annotations
@@ -34,13 +37,15 @@ from ..errors import ImageIOError
 from . import handles
 
 SLICE_S = 0.25  # select() and every waiter wake at least this often (deadlines, stopping)
+FREE_BUFFERS = 16  # read buffers kept for reuse, per length
 
 
 class _Read:
-    __slots__ = ("cookie", "deadline", "done", "error")
+    __slots__ = ("cookie", "data", "deadline", "done", "error")
 
-    def __init__(self, deadline: float) -> None:
+    def __init__(self, data: bytearray, deadline: float) -> None:
         self.cookie = 0
+        self.data = data  # libnbd writes here, never into the caller's buffer
         self.deadline = deadline
         self.done = threading.Event()
         self.error: ImageIOError | None = None
@@ -57,6 +62,7 @@ class Pipe:
         self._h = first
         self._idle_since = time.monotonic()
         self._reads: dict[int, _Read] = {}  # cookie -> read in flight on self._h
+        self._free: dict[int, list[bytearray]] = {}  # length -> read buffers to reuse
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._driver_pid = 0  # the process whose driver thread runs
         self._dropped = False  # a connection was lost since the last one was opened
@@ -70,29 +76,46 @@ class Pipe:
 
         from .remote import _Shutdown
         h = self._handle()
-        read = _Read(time.monotonic() + self.source.timeout_s)
+        read = _Read(self._buffer(len(piece)), time.monotonic() + self.source.timeout_s)
         with self._lock:
             if self._h is not h:
                 raise ImageIOError(f"{where}: connection lost")
             try:
-                read.cookie = h.aio_pread(nbd.Buffer.from_buffer(piece), offset)
+                read.cookie = h.aio_pread(nbd.Buffer.from_buffer(read.data), offset)
             except nbd.Error as e:
                 raise ImageIOError(f"{where}: {e.string}") from None
             self._reads[read.cookie] = read
             start = self._driver_pid != os.getpid()
             if start:
                 self._driver_pid = os.getpid()
+            self._wake()  # the request may wait to be written: the driver's select says when
         if start:
             threading.Thread(target=self._drive, name="nbd-source-pipe", daemon=True).start()
-        self._wake()  # the request may wait to be written: the driver's select says when
         while not read.done.wait(SLICE_S):
-            if self.source.stopping():
-                self._drop(h, "abandoned, the server is stopping")
+            if self.source.stopping():  # this request ends; its read, in flight, stays
+                raise ImageIOError(f"{where}: abandoned, the server is stopping")
         if read.error is not None:
             error = read.error
             if isinstance(error, _Shutdown):
                 raise _Shutdown(f"{where}: {error}")
             raise ImageIOError(f"{where}: {error}")
+        piece[:] = read.data
+        self._give_back(read.data)
+
+    def _buffer(self, length: int) -> bytearray:
+        """A buffer for one read: an answered read's, or a new one (fresh pages: see
+        ahead.py)."""
+        with self._lock:
+            free = self._free.get(length)
+            if free:
+                return free.pop()
+        return bytearray(length)
+
+    def _give_back(self, data: bytearray) -> None:
+        with self._lock:
+            free = self._free.setdefault(len(data), [])
+            if len(free) < FREE_BUFFERS:
+                free.append(data)
 
     def _handle(self):
         """The connection, opened (or reopened after a drop) by the first reader to need it."""
@@ -112,35 +135,47 @@ class Pipe:
             return h
 
     def _wake(self) -> None:
-        with contextlib.suppress(BlockingIOError):  # a wake-up is pending already
-            os.write(self._wake_w, b"x")
+        """Wake the driver (under the lock: the pipe is closed under it, once)."""
+        if self._wake_w >= 0:
+            with contextlib.suppress(BlockingIOError):  # a wake-up is pending already
+                os.write(self._wake_w, b"x")
+
+    def _close_pipe(self) -> None:
+        """Under the lock: the wake-up pipe is closed, by the driver as it ends (or by
+        close() where none runs)."""
+        for fd in (self._wake_r, self._wake_w):
+            os.close(fd)
+        self._wake_r = self._wake_w = -1
 
     # -- the driver ---------------------------------------------------------------------
 
     def _drive(self) -> None:
         import nbd
         while True:
+            idle = None
             with self._lock:
                 if self._closed:
+                    self._close_pipe()
                     return
                 h = self._h
                 if h is not None and not self._reads and \
                         time.monotonic() - self._idle_since > self.idle_s:
-                    self._h = None  # idle: an upstream that stops may exit
-                    handles.close(h)
-                    h = None
+                    self._h, idle, h = None, h, None  # an upstream that stops may exit
                 if h is not None:
                     fd, direction = h.aio_get_fd(), h.aio_get_direction()
-            rd, wr = [self._wake_r], []
+                wake = self._wake_r
+            if idle is not None:  # closed outside the lock: a goodbye may wait
+                handles.close(idle)
+            rd, wr = [wake], []
             if h is not None:
                 if direction & nbd.AIO_DIRECTION_READ:
                     rd.append(fd)
                 if direction & nbd.AIO_DIRECTION_WRITE:
                     wr.append(fd)
             readable, writable, _ = select.select(rd, wr, [], SLICE_S)
-            if self._wake_r in readable:
+            if wake in readable:
                 with contextlib.suppress(BlockingIOError):
-                    os.read(self._wake_r, 4096)
+                    os.read(wake, 4096)
             if h is not None:
                 self._advance(h, fd in readable, fd in writable)
 
@@ -199,9 +234,15 @@ class Pipe:
             self._closed = True
             h, self._h = self._h, None
             reads, self._reads = self._reads, {}
-            if h is not None:
-                handles.close(h, disconnect=not reads)
+            if h is not None and reads:  # no goodbye: no reply lands in their buffers
+                handles.close(h, disconnect=False)
+                h = None
+            if self._driver_pid == os.getpid():
+                self._wake()  # the driver ends, and closes the pipe
+            elif self._wake_r >= 0:
+                self._close_pipe()
+        if h is not None:  # idle: a goodbye, outside the lock
+            handles.close(h)
         for read in reads.values():
             read.error = ImageIOError("source closed")
             read.done.set()
-        self._wake()

@@ -20,8 +20,16 @@ import pytest
 
 from nbd_verity.launch import NBDKIT
 from nbd_verity.serve.nbdkit_compat import has_send_race, nbdkit_version
+from nbd_verity.sources import handles
 
-from ..serverlib import MIB, control_request, expect_eio, flip_byte, make_image, random_bytes
+from ..serverlib import (
+    MIB,
+    control_request,
+    expect_eio,
+    flip_byte,
+    make_image,
+    random_bytes,
+)
 from ..upstreams import NbdkitFile
 
 DELAY = "150ms"  # every upstream read waits this long: far over sources/latency.SLOW_S
@@ -53,13 +61,13 @@ def reads(log_path: str) -> list[tuple[int, int, datetime.datetime, datetime.dat
     return done
 
 
-def delayed(path, sockdir: str, name: str, tmp_path,
-            multi_conn: bool = True) -> tuple[NbdkitFile, str]:
+def delayed(path, sockdir: str, name: str, tmp_path, multi_conn: bool = True,
+            delay: str = DELAY) -> tuple[NbdkitFile, str]:
     """A logged upstream whose reads wait DELAY (multi_conn False: it does not advertise
     multi-conn, as nbd-server or a writable qemu-nbd export)."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     log = str(tmp_path / f"{name}.reads")
-    filters, keys = ("log", "delay"), (f"rdelay={DELAY}", f"logfile={log}")
+    filters, keys = ("log", "delay"), (f"rdelay={delay}", f"logfile={log}")
     if not multi_conn:
         filters, keys = ("log", "multi-conn", "delay"), (*keys, "multi-conn-mode=disable")
     upstream = NbdkitFile(path, sockdir, name, filters, keys).start()
@@ -73,11 +81,11 @@ def connections(log_path: str) -> set[str]:
 
 
 def serve(image, sockdir, tmp_path, servers, upstreams, readahead: bool = False,
-          multi_conn: bool = True, **keys):
+          multi_conn: bool = True, delay: str = DELAY, **keys):
     """nbd-verity serve of image's data and hash images behind delayed, logged upstreams
     (readahead: Merkle and data readahead, off unless asked for; multi_conn: whether the
     data upstream advertises it)."""
-    data, data_log = delayed(image.data, sockdir, "up-data", tmp_path, multi_conn)
+    data, data_log = delayed(image.data, sockdir, "up-data", tmp_path, multi_conn, delay)
     hashes, hash_log = delayed(image.hash, sockdir, "up-hash", tmp_path)
     upstreams += [data, hashes]
     server = servers.start(replace(image, data=data.uri, hash=hashes.uri),
@@ -215,6 +223,37 @@ def test_one_connection_to_an_upstream_without_multi_conn_carries_reads_together
             assert e.errnum == errno.EIO and block == 5, e
     totals = control_request(os.path.join(sockdir, "ctl.sock"), {"cmd": "stats"})
     assert totals["stats"]["totals"]["reconnects"] >= 1, totals
+
+
+def test_a_client_that_leaves_fails_no_other_read_on_the_one_upstream_connection(
+        image, sockdir, tmp_path, servers, upstreams):
+    """Two clients' reads in flight on the one connection to an upstream without
+    multi-conn; one client leaves without a word while the upstream takes a second per
+    read. Its request ends (its thread sees the client gone within a quarter second),
+    and the other client's read, on the same upstream connection, is served whole."""
+    server, data_log, _ = serve(image, sockdir, tmp_path, servers, upstreams,
+                                multi_conn=False, delay="1000ms")
+    leaving, staying = server.connect(), server.connect()
+    assert staying.pread(4096, 0) == image.expected(0, 4096)  # both leaves' parents cached
+    leaving.aio_pread(nbd.Buffer(4096), 300 * 4096)
+    buf = nbd.Buffer(4096)
+    cookie = staying.aio_pread(buf, 100 * 4096)
+    deadline = time.monotonic() + 10
+    while len(reads_started(data_log)) < 3 and time.monotonic() < deadline:
+        time.sleep(0.02)  # both reads reached the upstream
+    handles.close(leaving, disconnect=False)  # no NBD_CMD_DISC: gone mid-request
+    while staying.aio_in_flight() and time.monotonic() < deadline + 20:
+        staying.poll(100)
+    assert staying.aio_command_completed(cookie)  # an error reply raises here
+    assert buf.to_bytearray() == image.expected(100 * 4096, 4096)
+    assert staying.pread(4096, 101 * 4096) == image.expected(101 * 4096, 4096)
+    assert len(connections(data_log)) == 1, connections(data_log)
+
+
+def reads_started(log_path: str) -> list[str]:
+    """The reads an upstream's log filter saw come in (answered or not)."""
+    with open(log_path) as f:
+        return [line for line in f if (m := READ.match(line)) and not m.group(3)]
 
 
 def test_a_sequential_stream_reads_ahead_of_its_client(image, sockdir, tmp_path, servers,
