@@ -12,8 +12,8 @@ buffer before a byte is served, as it does what read_into returns. A read starte
 that failed is read again by the request itself (its own error, or its own success).
 Only when the source is slow (sources/latency.py): a fast one starts nothing.
 Invariants: at most MAX_STAGED reads and MAX_STAGED_BYTES staged; one taken is gone; the
-oldest not taken is dropped first; a taken read's buffer is reused (at most FREE_BUFFERS
-kept per length), a dropped one's is not (its read may still be writing into it).
+oldest not taken is dropped first; a taken read's buffer is reused (sources/buffers.py), a
+dropped one's is not (its read may still be writing into it).
 Locking: one lock guards the staged reads (never held during I/O); the latency is
 Latency's (one float).
 """
@@ -26,12 +26,12 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
 from ..errors import ImageIOError
+from .buffers import Buffers
 from .latency import Latency
 
 MAX_STAGED = 64  # reads started ahead and not yet taken, all streams together
 MAX_STAGED_BYTES = 64 << 20  # ... and their bytes
 IO_THREADS = 16
-FREE_BUFFERS = 16  # staging buffers kept for reuse, per length
 WAIT_SLICE_S = 0.25  # a staged read is waited for in slices, after each stopping() is asked
 
 
@@ -49,7 +49,7 @@ class AheadSource:
         self._bytes = 0  # staged
         self._lock = threading.Lock()
         self._io: ThreadPoolExecutor | None = None  # made at the first read ahead (after fork)
-        self._free: dict[int, list[bytearray]] = {}  # length -> staging buffers to reuse
+        self._buffers = Buffers()  # staging buffers, reused
 
     def __getattr__(self, name):  # path, role, size, counters, stopping, ...
         return getattr(self.source, name)
@@ -73,27 +73,11 @@ class AheadSource:
             self._bytes += length
 
     def _timed_read(self, length: int, offset: int) -> bytearray:
-        data = self._buffer(length)
+        data = self._buffers.take(length)
         started = time.perf_counter()
         self.source.read_into(memoryview(data), offset)
         self.latency.add(time.perf_counter() - started)
         return data
-
-    def _buffer(self, length: int) -> bytearray:
-        """A staging buffer: a taken read's, given back, or a new one. A new buffer of
-        128 KiB or more is fresh pages from the kernel (glibc maps it), zeroed and
-        faulted in at the first write: that cost more than the read itself."""
-        with self._lock:
-            free = self._free.get(length)
-            if free:
-                return free.pop()
-        return bytearray(length)
-
-    def _give_back(self, data: bytearray) -> None:
-        with self._lock:
-            free = self._free.setdefault(len(data), [])
-            if len(free) < FREE_BUFFERS:
-                free.append(data)
 
     def read_into(self, buf: memoryview, offset: int) -> None:
         with self._lock:
@@ -104,7 +88,7 @@ class AheadSource:
             try:
                 data = self._result(staged)
                 buf[:] = data
-                self._give_back(data)
+                self._buffers.give_back(data)
                 return
             except _Stopping as e:
                 raise ImageIOError(str(e)) from None
@@ -135,7 +119,7 @@ class AheadSource:
         with self._lock:
             io, self._io = self._io, None
             self._staged.clear()
-            self._free.clear()
+            self._buffers.clear()
             self._bytes = 0
         self.source.close()
         if io is not None:

@@ -35,9 +35,9 @@ import time
 
 from ..errors import ImageIOError
 from . import handles
+from .buffers import Buffers
 
 SLICE_S = 0.25  # select() and every waiter wake at least this often (deadlines, stopping)
-FREE_BUFFERS = 16  # read buffers kept for reuse, per length
 
 
 class _Read:
@@ -62,7 +62,7 @@ class Pipe:
         self._h = first
         self._idle_since = time.monotonic()
         self._reads: dict[int, _Read] = {}  # cookie -> read in flight on self._h
-        self._free: dict[int, list[bytearray]] = {}  # length -> read buffers to reuse
+        self._buffers = Buffers()  # read buffers, reused once answered
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._driver_pid = 0  # the process whose driver thread runs
         self._dropped = False  # a connection was lost since the last one was opened
@@ -76,7 +76,7 @@ class Pipe:
 
         from .remote import _Shutdown
         h = self._handle()
-        read = _Read(self._buffer(len(piece)), time.monotonic() + self.source.timeout_s)
+        read = _Read(self._buffers.take(len(piece)), time.monotonic() + self.source.timeout_s)
         with self._lock:
             if self._h is not h:
                 raise ImageIOError(f"{where}: connection lost")
@@ -100,22 +100,7 @@ class Pipe:
                 raise _Shutdown(f"{where}: {error}")
             raise ImageIOError(f"{where}: {error}")
         piece[:] = read.data
-        self._give_back(read.data)
-
-    def _buffer(self, length: int) -> bytearray:
-        """A buffer for one read: an answered read's, or a new one (fresh pages: see
-        ahead.py)."""
-        with self._lock:
-            free = self._free.get(length)
-            if free:
-                return free.pop()
-        return bytearray(length)
-
-    def _give_back(self, data: bytearray) -> None:
-        with self._lock:
-            free = self._free.setdefault(len(data), [])
-            if len(free) < FREE_BUFFERS:
-                free.append(data)
+        self._buffers.give_back(read.data)
 
     def _handle(self):
         """The connection, opened (or reopened after a drop) by the first reader to need it."""
