@@ -1,6 +1,7 @@
 """The servers a benchmark compares, each on its own Unix socket, started and stopped by pid.
 
-Five kinds: nbdkit's C `file` plugin (the transport ceiling), the Python pass-through
+Six kinds: nbdkit's C `file` plugin (the transport ceiling), its `curl` plugin (an HTTP
+image read unverified), the Python pass-through
 plugin (bench/passthrough.py: same nbdkit threads and preadv, no verification), the bare
 verifying plugin (bench/bareplugin.py: one read_verify per request, the fast path's
 ceiling),
@@ -43,7 +44,7 @@ class Server(Launched):
 
     def __init__(self, name: str, kind: str, argv_tail: list[str], threads: int | None = None,
                  filters: tuple[str, ...] = ()):
-        self.kind = kind  # "file", "passthrough", "bare", "verity" (nbd-verity serve), "plugin"
+        self.kind = kind  # "file", "curl", "passthrough", "bare", "verity" (serve), "plugin"
         self.filters = [f"--filter={f}" for f in filters]  # nbdkit filters, before the plugin
         self.dir = tempfile.mkdtemp(prefix="nvb-")  # short: sun_path holds 108 bytes
         sock = os.path.join(self.dir, "nbd.sock")
@@ -65,6 +66,8 @@ class Server(Launched):
         argv += ["-t", str(threads)] if threads else []
         if self.kind == "file":
             return [*argv, "file", *tail]
+        if self.kind == "curl":  # an http(s) image read by nbdkit itself, unverified
+            return [*argv, "curl", *tail]
         if self.kind == "plugin":
             return [*argv, "python", str(PLUGIN), *tail]
         if self.kind == "bare":

@@ -10,12 +10,14 @@ Sources:
 - `delay D`: data and hash images behind nbdkit `file` upstreams under nbdkit's `delay`
   filter (`rdelay=D`: every read waits D), on Unix sockets: a network disk or an object
   store;
+- `http D`: the same files from an HTTP server whose every GET waits D
+  (bench/httpdelay.py); unverified = nbdkit's curl plugin on the data URL;
 - `disk`: the machine's own disk, uncached (root: the page cache is dropped before each
   run, `echo 3 > /proc/sys/vm/drop_caches`); unverified = nbdkit's C `file` plugin, 4 KiB
   random reads at QD1 and QD16 (a 2 GiB image).
 
     .venv/bin/python bench/storage.py [--rounds 3] [--runtime 4] [--delays 1ms,10ms]
-        [--disk] [--thread-models default,serialize-requests]
+        [--disk] [--http 10ms] [--thread-models default,serialize-requests]
 
 `--delays 0ms` is a network source without latency (a page-cached upstream): where the
 thread model serve chooses for a network image is measured against the other one.
@@ -27,8 +29,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
+import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -39,6 +45,8 @@ import images  # noqa: E402
 import report  # noqa: E402
 import servers  # noqa: E402
 from fiorun import Job  # noqa: E402
+
+from nbd_verity import launch  # noqa: E402
 
 WORKLOADS = (("randread", 4 << 10, 1), ("randread", 4 << 10, 16), ("randread", 64 << 10, 4),
              ("read", 128 << 10, 1), ("read", 128 << 10, 8))
@@ -95,6 +103,54 @@ DISK_MODELS = (("local disk, uncached", []),
                 ["--thread-model", "parallel"]))
 
 
+class DelayedHttp:
+    """bench/httpdelay.py serving an image's data and hash files, each GET delayed."""
+
+    def __init__(self, image: images.Image, delay: str) -> None:
+        self.dir = tempfile.mkdtemp(prefix="nvb-http-")
+        port_file = os.path.join(self.dir, "port")
+        seconds = float(delay.removesuffix("ms")) / 1000
+        self.proc = subprocess.Popen(
+            [sys.executable, str(HERE / "httpdelay.py"), port_file, str(seconds),
+             f"data.img={image.data}", f"hash.img={image.hash}"])
+        deadline = time.monotonic() + 30
+        while not os.path.exists(port_file):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError("bench/httpdelay.py did not start")
+            time.sleep(0.05)
+        with open(port_file) as f:
+            self.base = f"http://127.0.0.1:{f.read().strip()}"
+
+    def close(self) -> None:
+        launch.stop_process(self.proc)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def measure_http(image: images.Image, delay: str, rounds: int, runtime: float) -> list[dict]:
+    """Each workload from an HTTP server whose GETs wait `delay`: unverified = nbdkit's
+    curl plugin on the data URL, verified = serve of both URLs (its captive curl)."""
+    rows = []
+    http = DelayedHttp(image, delay)
+    try:
+        data_url, hash_url = f"{http.base}/data.img", f"{http.base}/hash.img"
+        served = images.Image(data_url, hash_url, image.root, image.size, image.how)
+        for rw, bs, qd in WORKLOADS:
+            job = Job(rw, bs, 1, qd, runtime)
+            runs = []
+            for _ in range(rounds):
+                with servers.Server("curl", "curl", [f"url={data_url}"]) as plain:
+                    unverified = fiorun.run(plain.uri(), job, image.size).mb_s
+                with servers.verity_server("verified", served, []) as server:
+                    verified = fiorun.run(server.uri(), job, image.size).mb_s
+                runs.append((unverified, verified))
+                say(f"http {delay}: {label(rw, bs, qd)}: {unverified:.1f} / {verified:.1f}")
+            rows.append(summary(f"HTTP, {delay} per GET", label(rw, bs, qd), runs))
+    finally:
+        http.close()
+    return rows
+
+
 def measure_disk(rounds: int, runtime: float) -> list[dict]:
     """Each workload against the C file plugin, served by default (a local image is
     served serialize-requests: its page-cached reads are faster so) and in the parallel
@@ -146,15 +202,19 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--runtime", type=float, default=4.0)
     parser.add_argument("--delays", default="1ms,10ms")
     parser.add_argument("--disk", action="store_true", help="also the uncached disk (root)")
+    parser.add_argument("--http", default="",
+                        help="also an HTTP source whose GETs wait this long (e.g. 10ms)")
     parser.add_argument("--thread-models", default="default",
                         help="verified in each of these (comma-separated; default: serve's "
                              "own choice), e.g. default,serialize-requests")
     args = parser.parse_args(argv[1:])
     image = images.random_image(SIZE)
     rows = []
-    for delay in args.delays.split(","):
+    for delay in filter(None, args.delays.split(",")):
         rows += measure_delay(image, delay, args.rounds, args.runtime,
                               args.thread_models.split(","))
+    if args.http:
+        rows += measure_http(image, args.http, args.rounds, args.runtime)
     if args.disk:
         rows += measure_disk(args.rounds, args.runtime)
     print(f"{report.machine()}; load {report.load()}; {args.rounds} rounds of "
