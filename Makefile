@@ -122,10 +122,10 @@ bench-fec: setup
 bench-latency: setup
 	$(PY) bench/latency.py --write
 
-# verified against unverified reads of delayed NBD upstreams, one connection (and, as
-# root, the uncached disk: `make bench-storage STORAGE=--disk`)
+# verified against unverified reads of delayed NBD upstreams and a delayed HTTP server,
+# one connection (and, as root, the uncached disk: `make bench-storage STORAGE=--disk`)
 bench-storage: setup
-	$(PY) bench/storage.py $(STORAGE)
+	$(PY) bench/storage.py --delays 0.1ms,1ms,10ms --http 10ms $(STORAGE)
 
 clean:
 	rm -rf $(VENV) demo .pytest_cache .hypothesis
