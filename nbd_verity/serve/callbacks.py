@@ -143,7 +143,8 @@ def _stopping() -> bool:
 
 
 def _hang_up():
-    """A read ended because the server stops: close this connection (nbdkit >= 1.40).
+    """A read ended because the server stops: close this connection (where nbdkit's Python
+    plugin has nbdkit.disconnect: Debian 13's 1.42, not 1.32).
     In the parallel model another worker of the connection sits in a read of the socket
     for the client's next request, and nbdkit exits only once that ends: the shut socket
     makes the client hang up (a kernel /dev/nbdX too). A serialising model would close it
