@@ -70,20 +70,24 @@ class Pipe:
 
     # -- readers ------------------------------------------------------------------------
 
-    def read_into(self, piece: memoryview, offset: int, where: str) -> None:
-        """One NBD read into piece; raises ImageIOError (or _Shutdown)."""
-        import nbd
+    def read_into(self, piece: memoryview, offset: int, where) -> None:
+        """One NBD read into piece; raises ImageIOError (or _Shutdown). where(): what its
+        error message begins with (built only then)."""
+        self.receive(self.send(len(piece), offset, where), piece, where)
 
-        from .remote import _Shutdown
+    def send(self, length: int, offset: int, where) -> _Read:
+        """Send one read of length bytes at offset; receive() waits for its bytes. Raises
+        ImageIOError when it cannot be sent."""
+        import nbd
         h = self._handle()
-        read = _Read(self._buffers.take(len(piece)), time.monotonic() + self.source.timeout_s)
+        read = _Read(self._buffers.take(length), time.monotonic() + self.source.timeout_s)
         with self._lock:
             if self._h is not h:
-                raise ImageIOError(f"{where}: connection lost")
+                raise ImageIOError(f"{where()}: connection lost")
             try:
                 read.cookie = h.aio_pread(nbd.Buffer.from_buffer(read.data), offset)
             except nbd.Error as e:
-                raise ImageIOError(f"{where}: {e.string}") from None
+                raise ImageIOError(f"{where()}: {e.string}") from None
             self._reads[read.cookie] = read
             start = self._driver_pid != os.getpid()
             if start:
@@ -91,14 +95,20 @@ class Pipe:
             self._wake()  # the request may wait to be written: the driver's select says when
         if start:
             threading.Thread(target=self._drive, name="nbd-source-pipe", daemon=True).start()
+        return read
+
+    def receive(self, read: _Read, piece: memoryview, where) -> None:
+        """Wait for a sent read's reply and copy its bytes into piece; raises ImageIOError
+        (or _Shutdown)."""
+        from .remote import _Shutdown
         while not read.done.wait(SLICE_S):
             if self.source.stopping():  # this request ends; its read, in flight, stays
-                raise ImageIOError(f"{where}: abandoned, the server is stopping")
+                raise ImageIOError(f"{where()}: abandoned, the server is stopping")
         if read.error is not None:
             error = read.error
             if isinstance(error, _Shutdown):
-                raise _Shutdown(f"{where}: {error}")
-            raise ImageIOError(f"{where}: {error}")
+                raise _Shutdown(f"{where()}: {error}")
+            raise ImageIOError(f"{where()}: {error}")
         piece[:] = read.data
         self._buffers.give_back(read.data)
 

@@ -177,7 +177,7 @@ class NbdSource:
         where = f"{self.role}: {redacted(self.path)}"
         try:
             h.aio_connect_uri(self.path)
-            self._wait(h, lambda: not h.aio_is_connecting(), where, "no handshake")
+            self._wait(h, lambda: not h.aio_is_connecting(), lambda: where, "no handshake")
             if not h.aio_is_ready():
                 raise ImageIOError(f"{where}: {nbd.get_error() or 'connection failed'}")
         except nbd.Error as e:
@@ -188,17 +188,18 @@ class NbdSource:
             raise
         return h
 
-    def _wait(self, h, done, where: str, what: str) -> None:
+    def _wait(self, h, done, where, what: str) -> None:
         """Poll h until done(), within timeout_s; a wait past it, or while stopping(),
-        abandons the handle (the caller closes it) and raises ImageIOError."""
+        abandons the handle (the caller closes it) and raises ImageIOError (its text
+        begins with where(), built only then)."""
         deadline = time.monotonic() + self.timeout_s
         while not done():
             if time.monotonic() > deadline:
                 _abandon(h)
-                raise ImageIOError(f"{where}: {what} in {self.timeout_s:g} s")
+                raise ImageIOError(f"{where()}: {what} in {self.timeout_s:g} s")
             if h.poll(POLL_SLICE_MS) == 0 and (self.stopping() or self._closed.is_set()):
                 _abandon(h)
-                raise ImageIOError(f"{where}: abandoned, the server is stopping")
+                raise ImageIOError(f"{where()}: abandoned, the server is stopping")
 
     def _take(self):
         """An idle connection, a new one (up to the limit), or wait for one."""
@@ -313,10 +314,9 @@ class NbdSource:
         """The read on the one connection, beside the others in flight (pipe.py)."""
         try:
             for start in range(0, len(buf), self._max_read):
-                where = (f"{self.role} image {redacted(self.path)}: read at byte "
-                         f"{offset + start}")
-                self._pipe.read_into(buf[start:start + self._max_read], offset + start,
-                                     where)
+                at = offset + start
+                self._pipe.read_into(buf[start:start + self._max_read], at,
+                                     lambda at=at: self._where(at))
         except ImageIOError:
             with self._lock:
                 self.source_errors += 1
@@ -326,18 +326,92 @@ class NbdSource:
         with self._lock:
             self.reconnects += 1
 
+    def _where(self, offset: int) -> str:
+        """What a failed read's message begins with (built only when one fails)."""
+        return f"{self.role} image {redacted(self.path)}: read at byte {offset}"
+
     def _pread(self, h, piece: memoryview, offset: int) -> None:
         """One NBD read into piece (shared, not copied); raises ImageIOError. A timed-out
         read leaves its connection dead (closed by the caller)."""
         import nbd
-        where = f"{self.role} image {redacted(self.path)}: read at byte {offset}"
         try:
             cookie = h.aio_pread(nbd.Buffer.from_buffer(piece), offset)
-            self._wait(h, lambda: h.aio_command_completed(cookie), where, "no reply")
         except nbd.Error as e:
-            if e.errnum == errno.ESHUTDOWN:
-                raise _Shutdown(f"{where}: {e.string}") from None
-            raise ImageIOError(f"{where}: {e.string}") from None
+            raise _read_error(e, self._where(offset)) from None
+        self._finish(h, cookie, offset)
+
+    def _finish(self, h, cookie: int, offset: int) -> None:
+        """Wait for the read cookie on h; raises ImageIOError (a timed-out read leaves h
+        dead: closed by the caller)."""
+        import nbd
+        try:
+            self._wait(h, lambda: h.aio_command_completed(cookie),
+                       lambda: self._where(offset), "no reply")
+        except nbd.Error as e:
+            raise _read_error(e, self._where(offset)) from None
+
+    def submit(self, length: int, offset: int) -> Pending:
+        """Start reading length bytes at offset and return at once; the Pending's result()
+        waits for them on the caller's thread (no hand-off to another): read/beside.py's
+        hash reads, in flight beside the request's data read. Any failure is result()'s
+        (an ImageIOError, counted), and a Pending is always waited for: until then it
+        holds a connection of the pool."""
+        data = bytearray(length)
+        if offset + length > self._size or length > self._max_read:
+            return Pending(lambda: self.read(length, offset))  # the plain read, its errors
+        if self._pipe is not None:
+            return self._submit_on_pipe(data, offset)
+        import nbd
+        try:
+            h = self._take()
+        except ImageIOError as error:
+            return Pending.failed(error)
+        try:
+            cookie = h.aio_pread(nbd.Buffer.from_buffer(data), offset)
+        except nbd.Error as e:
+            with self._lock:
+                self.source_errors += 1
+            self._give_back(h, _is_dead(h))
+            return Pending.failed(_read_error(e, self._where(offset)))
+
+        def result() -> bytearray:
+            broken = True
+            try:
+                self._finish(h, cookie, offset)
+                broken = False
+            except _Shutdown:
+                with self._lock:
+                    self.source_errors += 1
+                    self._drain_until = time.monotonic() + DRAIN_S
+                raise
+            except ImageIOError:
+                with self._lock:
+                    self.source_errors += 1
+                broken = _is_dead(h)
+                raise
+            finally:
+                self._give_back(h, broken)
+            return data
+        return Pending(result)
+
+    def _submit_on_pipe(self, data: bytearray, offset: int) -> Pending:
+        """submit() on the one connection: sent now, received by result()."""
+        try:
+            read = self._pipe.send(len(data), offset, lambda: self._where(offset))
+        except ImageIOError as error:
+            with self._lock:
+                self.source_errors += 1
+            return Pending.failed(error)
+
+        def result() -> bytearray:
+            try:
+                self._pipe.receive(read, memoryview(data), lambda: self._where(offset))
+            except ImageIOError:
+                with self._lock:
+                    self.source_errors += 1
+                raise
+            return data
+        return Pending(result)
 
     def read(self, size: int, offset: int) -> bytearray:
         buf = bytearray(size)
@@ -358,6 +432,29 @@ class NbdSource:
             self._pipe.close()
         for h in self._take_idle(float("inf")):
             _close(h)
+
+
+class Pending:
+    """One read NbdSource.submit() started: result() (called once) waits for its bytes,
+    or raises its ImageIOError."""
+
+    __slots__ = ("result",)
+
+    def __init__(self, result) -> None:
+        self.result = result
+
+    @staticmethod
+    def failed(error: ImageIOError) -> Pending:
+        def result() -> bytearray:
+            raise error
+        return Pending(result)
+
+
+def _read_error(e, where: str) -> ImageIOError:
+    """libnbd's error of a read as ours: _Shutdown for ESHUTDOWN (the server stops)."""
+    if e.errnum == errno.ESHUTDOWN:
+        return _Shutdown(f"{where}: {e.string}")
+    return ImageIOError(f"{where}: {e.string}")
 
 
 def _max_read_size(h) -> int:

@@ -81,12 +81,12 @@ def connections(log_path: str) -> set[str]:
 
 
 def serve(image, sockdir, tmp_path, servers, upstreams, readahead: bool = False,
-          multi_conn: bool = True, delay: str = DELAY, **keys):
+          multi_conn: bool = True, delay: str = DELAY, hash_multi_conn: bool = True, **keys):
     """nbd-verity serve of image's data and hash images behind delayed, logged upstreams
-    (readahead: Merkle and data readahead, off unless asked for; multi_conn: whether the
-    data upstream advertises it)."""
+    (readahead: Merkle and data readahead, off unless asked for; multi_conn,
+    hash_multi_conn: whether the data and the hash upstream advertise it)."""
     data, data_log = delayed(image.data, sockdir, "up-data", tmp_path, multi_conn, delay)
-    hashes, hash_log = delayed(image.hash, sockdir, "up-hash", tmp_path)
+    hashes, hash_log = delayed(image.hash, sockdir, "up-hash", tmp_path, hash_multi_conn)
     upstreams += [data, hashes]
     server = servers.start(replace(image, data=data.uri, hash=hashes.uri),
                            control=os.path.join(sockdir, "ctl.sock"),
@@ -94,11 +94,19 @@ def serve(image, sockdir, tmp_path, servers, upstreams, readahead: bool = False,
     return server, data_log, hash_log
 
 
+ONE_OR_MANY = pytest.mark.parametrize("hash_multi_conn", [True, False],
+                                      ids=["hash-multi-conn", "hash-one-connection"])
+
+
+@ONE_OR_MANY
 def test_a_cold_reads_hash_block_is_read_while_its_data_is(image, sockdir, tmp_path,
-                                                           servers, upstreams):
+                                                           servers, upstreams,
+                                                           hash_multi_conn):
     """The leaf of a cold 4 KiB read comes to the hash upstream before the data upstream
-    has answered the data read: one wait covers both."""
-    server, data_log, hash_log = serve(image, sockdir, tmp_path, servers, upstreams)
+    has answered the data read: one wait covers both (a hash upstream with multi-conn
+    or without: a pool's connection, or the one connection's pipe)."""
+    server, data_log, hash_log = serve(image, sockdir, tmp_path, servers, upstreams,
+                                       hash_multi_conn=hash_multi_conn)
     h = server.connect()
     block = 300  # under leaf 2, not cached: only the root block was read at start-up
     offset = block * image.data_block_size
@@ -123,20 +131,27 @@ def test_a_bad_data_block_fails_exactly_its_request(image, sockdir, tmp_path, se
     expect_eio(h, 8192, 299 * 4096)  # a request that holds it fails whole
 
 
+@ONE_OR_MANY
 def test_a_bad_hash_block_fetched_beside_is_never_trusted(image, sockdir, tmp_path, servers,
-                                                          upstreams):
+                                                          upstreams, hash_multi_conn):
     """A corrupted leaf fetched beside the data fails every read under it, each time
-    (it is never cached), and no other read."""
+    (it is never cached), and no other read; each fetch gives its connection back (one
+    kept per fetch would open a new one for each request, and hang the 17th)."""
     damaged = image.copy(tmp_path / "damaged")
     flip_byte(damaged.hash, image.leaf_offset(300) + 100)  # leaf 2: data blocks 256..383
-    server, _, _ = serve(damaged, sockdir, tmp_path, servers, upstreams)
+    server, _, hash_log = serve(damaged, sockdir, tmp_path, servers, upstreams,
+                                delay="20ms", hash_multi_conn=hash_multi_conn)
     h = server.connect()
-    for block in (300, 256, 383, 300):
+    bad = (300, 256, 383, 300) + tuple(range(257, 265))
+    for block in bad:
         expect_eio(h, 4096, block * 4096)
     for block in (255, 384, 0):
         assert h.pread(4096, block * 4096) == image.expected(block * 4096, 4096)
     totals = control_request(os.path.join(sockdir, "ctl.sock"), {"cmd": "stats"})
-    assert totals["stats"]["totals"]["corruptions"] == 4, totals
+    assert totals["stats"]["totals"]["corruptions"] == len(bad), totals
+    fetched = [r for r in reads(hash_log) if r[0] == image.leaf_offset(300)]
+    assert len(fetched) >= len(bad), len(fetched)  # fetched beside (and read again) each time
+    assert len(connections(hash_log)) <= 2, connections(hash_log)
 
 
 def most_at_once(spans) -> int:
