@@ -142,7 +142,7 @@ def test_a_bad_hash_block_fetched_beside_is_never_trusted(image, sockdir, tmp_pa
     server, _, hash_log = serve(damaged, sockdir, tmp_path, servers, upstreams,
                                 delay="20ms", hash_multi_conn=hash_multi_conn)
     h = server.connect()
-    bad = (300, 256, 383, 300) + tuple(range(257, 265))
+    bad = (300, 256, 383, 300, *range(257, 265))
     for block in bad:
         expect_eio(h, 4096, block * 4096)
     for block in (255, 384, 0):
