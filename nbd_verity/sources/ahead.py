@@ -5,15 +5,20 @@ A connection whose requests nbdkit serves one at a time (serialize-requests, the
 model on nbdkit 1.32) still has its client's next requests queued behind the one being
 served; on a source where each read waits, the stream would pay one wait per request.
 AheadSource wraps such a source: the connection's readahead (read/readahead.py) asks it
-to start the reads of the stream's next requests (ahead()), which run on its I/O
-threads, and the read that asks for exactly one of them takes its bytes (read_into).
+to start the reads of the stream's next requests (ahead()), and the read that asks for
+exactly one of them takes its bytes (read_into). An NBD source's reads are sent by the
+asking thread and received by the taking one (NbdSource.submit: a connection of the
+pool each, only if one is free now; no hand-off to another thread, which cost ~70 us
+of CPU per 128 KiB read over the read itself); another source's run on I/O threads.
 Those bytes are untrusted like any other: the verifier hashes them in the request's
 buffer before a byte is served, as it does what read_into returns. A read started ahead
 that failed is read again by the request itself (its own error, or its own success).
 Only when the source is slow (sources/latency.py): a fast one starts nothing.
 Invariants: at most MAX_STAGED reads and MAX_STAGED_BYTES staged; one taken is gone; the
-oldest not taken is dropped first; a taken read's buffer is reused (sources/buffers.py), a
-dropped one's is not (its read may still be writing into it).
+oldest not taken is dropped first (a sent one abandoned: its connection closed unread);
+a taken read's buffer is reused (sources/buffers.py), a dropped one's is not (its read
+may still be writing into it). The latency is sampled by the reads not staged (a staged
+read's time is its stream's, not its source's).
 Locking: one lock guards the staged reads (never held during I/O); the latency is
 Latency's (one float).
 """
@@ -23,7 +28,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from ..errors import ImageIOError
 from .buffers import Buffers
@@ -45,11 +50,15 @@ class AheadSource:
     def __init__(self, source) -> None:
         self.source = source
         self.latency = Latency()
-        self._staged: OrderedDict = OrderedDict()  # (offset, length) -> Future
+        self._staged: OrderedDict = OrderedDict()  # (offset, length) -> (read, sent at)
         self._bytes = 0  # staged
         self._lock = threading.Lock()
         self._io: ThreadPoolExecutor | None = None  # made at the first read ahead (after fork)
         self._buffers = Buffers()  # staging buffers, reused
+        self._submit = getattr(source, "submit", None)  # an NBD source's: sent from here
+        self._closed = False
+        if self._submit is not None:  # a request that finds no connection free takes one
+            source.lender = self  # of ours; one staged for IDLE_S is let go (reclaim)
 
     def __getattr__(self, name):  # path, role, size, counters, stopping, ...
         return getattr(self.source, name)
@@ -61,16 +70,31 @@ class AheadSource:
         """Start reading length bytes at offset, unless that read is staged already."""
         key = (offset, length)
         with self._lock:
-            if key in self._staged or length > MAX_STAGED_BYTES:
+            if self._closed or key in self._staged or length > MAX_STAGED_BYTES:
                 return
-            if self._io is None:
+            if self._submit is None and self._io is None:
                 self._io = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="read-ahead")
-            while self._staged and (len(self._staged) >= MAX_STAGED or
-                                    self._bytes + length > MAX_STAGED_BYTES):
-                (_, dropped), _ = self._staged.popitem(last=False)  # a stream gone elsewhere
-                self._bytes -= dropped
-            self._staged[key] = self._io.submit(self._timed_read, length, offset)
-            self._bytes += length
+            io = self._io
+        if self._submit is None:
+            read = io.submit(self._timed_read, length, offset)
+        else:
+            read = self._submit(length, offset, into=self._buffers.take(length), wait=False)
+            if read is None:
+                return  # no connection free now: the request reads it itself
+        dropped = []
+        with self._lock:
+            if self._closed or key in self._staged:  # closed, or staged by another meanwhile
+                dropped.append(read)
+            else:
+                while self._staged and (len(self._staged) >= MAX_STAGED or
+                                        self._bytes + length > MAX_STAGED_BYTES):
+                    (_, size), (old, _) = self._staged.popitem(last=False)  # a stream gone
+                    self._bytes -= size
+                    dropped.append(old)
+                self._staged[key] = (read, time.monotonic())
+                self._bytes += length
+        for old in dropped:
+            _let_go(old)
 
     def _timed_read(self, length: int, offset: int) -> bytearray:
         data = self._buffers.take(length)
@@ -84,6 +108,7 @@ class AheadSource:
             staged = self._staged.pop((offset, len(buf)), None)
             if staged is not None:
                 self._bytes -= len(buf)
+                staged = staged[0]
         if staged is not None:
             try:
                 data = self._result(staged)
@@ -93,13 +118,19 @@ class AheadSource:
             except _Stopping as e:
                 raise ImageIOError(str(e)) from None
             except ImageIOError:
-                pass  # read again: the request's own error, or its own success
+                stopping = getattr(self.source, "stopping", None)
+                if stopping is not None and stopping():
+                    raise  # the server stops: no read again
+                # else read again: the request's own error, or its own success
         started = time.perf_counter()
         self.source.read_into(buf, offset)
         self.latency.add(time.perf_counter() - started)
 
     def _result(self, staged):
-        """A staged read's bytes, waited for in slices: a server stopping ends the wait."""
+        """A staged read's bytes, waited for in slices: a server stopping ends the wait
+        (a sent read's wait is NbdSource's, which ends so too)."""
+        if not isinstance(staged, Future):
+            return staged.result()
         stopping = getattr(self.source, "stopping", None)
         while True:
             try:
@@ -109,6 +140,26 @@ class AheadSource:
                     raise _Stopping(f"{self.source.role}: read ahead abandoned, the "
                                     f"server is stopping") from None
 
+    def reclaim(self, before: float | None) -> bool:
+        """Let go of the reads sent before `before` and not taken (None: the oldest sent
+        one), freeing their connections (NbdSource asks: a request of its own needs one,
+        or they are stale); whether any was."""
+        with self._lock:
+            if before is None:
+                keys = [next((key for key, (read, _) in self._staged.items()
+                              if not isinstance(read, Future)), None)]
+            else:
+                keys = [key for key, (read, since) in self._staged.items()
+                        if since <= before and not isinstance(read, Future)]
+            gone = []
+            for key in keys:
+                if key is not None:
+                    gone.append(self._staged.pop(key)[0])
+                    self._bytes -= key[1]
+        for read in gone:
+            _let_go(read)
+        return bool(gone)
+
     def read(self, size: int, offset: int) -> bytearray:
         buf = bytearray(size)
         self.read_into(memoryview(buf), offset)
@@ -117,10 +168,21 @@ class AheadSource:
     def close(self) -> None:
         """The source first: its reads in flight end (NbdSource.close), then the threads."""
         with self._lock:
+            self._closed = True
             io, self._io = self._io, None
+            staged = [read for read, _ in self._staged.values()]
             self._staged.clear()
             self._buffers.clear()
             self._bytes = 0
+        for read in staged:  # a sent read holds a connection the source no longer knows
+            _let_go(read)
         self.source.close()
         if io is not None:
             io.shutdown(wait=True)
+
+
+def _let_go(read) -> None:
+    """A staged read nobody will take: a sent one is abandoned (its connection closed
+    unread); one on the I/O threads ends by itself."""
+    if not isinstance(read, Future):
+        read.abandon()

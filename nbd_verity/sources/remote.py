@@ -165,6 +165,10 @@ class NbdSource:
         if self.multi_conn:
             self._idle.append((first, time.monotonic()))
         self._reaper_pid = 0  # the process whose reaper thread runs (none survives a fork)
+        # who holds connections with reads sent and not yet taken (sources/ahead.py):
+        # lender.reclaim(before) abandons those sent before `before` (None: the oldest
+        # one), and says whether it freed any
+        self.lender = None
 
     # -- connections ------------------------------------------------------------------
 
@@ -201,11 +205,23 @@ class NbdSource:
                 _abandon(h)
                 raise ImageIOError(f"{where()}: abandoned, the server is stopping")
 
-    def _take(self):
-        """An idle connection, a new one (up to the limit), or wait for one."""
+    def _take(self, wait: bool = True):
+        """An idle connection, a new one (up to the limit), or wait for one (wait False:
+        None rather than wait)."""
         with self._free:
+            if not wait and not self._closed.is_set() and not self._idle and \
+                    self._open >= self.max_connections:
+                return None
             while self._closed.is_set() or (not self._idle and
                                             self._open >= self.max_connections):
+                if self.lender is not None and not self._closed.is_set():
+                    self._free.release()  # reads sent ahead give way to this one
+                    try:
+                        freed = self.lender.reclaim(None)
+                    finally:
+                        self._free.acquire()
+                    if freed:
+                        continue
                 # in slices, as _wait: a server stopping ends this wait too
                 if self._closed.is_set() or (not self._free.wait(POLL_SLICE_MS / 1000)
                                              and self.stopping()):
@@ -255,6 +271,8 @@ class NbdSource:
     def _reap(self) -> None:
         """Close the connections idle for IDLE_S, until close()."""
         while not self._closed.wait(IDLE_S / 4):
+            if self.lender is not None:  # reads sent ahead and never taken
+                self.lender.reclaim(time.monotonic() - IDLE_S)
             stale = self._take_idle(time.monotonic() - IDLE_S)
             for h in stale:
                 _close(h)
@@ -350,22 +368,29 @@ class NbdSource:
         except nbd.Error as e:
             raise _read_error(e, self._where(offset)) from None
 
-    def submit(self, length: int, offset: int) -> Pending:
-        """Start reading length bytes at offset and return at once; the Pending's result()
-        waits for them on the caller's thread (no hand-off to another): read/beside.py's
-        hash reads, in flight beside the request's data read. Any failure is result()'s
-        (an ImageIOError, counted), and a Pending is always waited for: until then it
-        holds a connection of the pool."""
-        data = bytearray(length)
+    def submit(self, length: int, offset: int, into: bytearray | None = None,
+               wait: bool = True) -> Pending | None:
+        """Start reading length bytes at offset (into `into`, else a new buffer) and return
+        at once; the Pending's result() waits for them on the caller's thread (no hand-off
+        to another): read/beside.py's hash reads, in flight beside the request's data
+        read, and sources/ahead.py's reads of a stream's next requests. Any failure is
+        result()'s (an ImageIOError, counted). A Pending holds a connection of the pool
+        until result() or abandon(): one of the two, always. wait False: None when no
+        connection is free now (a read ahead is not worth a wait)."""
+        data = bytearray(length) if into is None else into
         if offset + length > self._size or length > self._max_read:
+            if not wait:
+                return None
             return Pending(lambda: self.read(length, offset))  # the plain read, its errors
         if self._pipe is not None:
             return self._submit_on_pipe(data, offset)
         import nbd
         try:
-            h = self._take()
+            h = self._take(wait)
         except ImageIOError as error:
             return Pending.failed(error)
+        if h is None:
+            return None
         try:
             cookie = h.aio_pread(nbd.Buffer.from_buffer(data), offset)
         except nbd.Error as e:
@@ -392,7 +417,13 @@ class NbdSource:
             finally:
                 self._give_back(h, broken)
             return data
-        return Pending(result)
+
+        def abandon() -> None:  # its reply is not awaited: the connection goes with it
+            handles.close(h, disconnect=False)  # no reply lands in data after this
+            with self._free:
+                self._open -= 1
+                self._free.notify()
+        return Pending(result, abandon)
 
     def _submit_on_pipe(self, data: bytearray, offset: int) -> Pending:
         """submit() on the one connection: sent now, received by result()."""
@@ -436,18 +467,24 @@ class NbdSource:
 
 class Pending:
     """One read NbdSource.submit() started: result() (called once) waits for its bytes,
-    or raises its ImageIOError."""
+    or raises its ImageIOError; abandon(), instead, lets it go unread (its buffer may
+    still be written: never reuse it)."""
 
-    __slots__ = ("result",)
+    __slots__ = ("abandon", "result")
 
-    def __init__(self, result) -> None:
+    def __init__(self, result, abandon=None) -> None:
         self.result = result
+        self.abandon = abandon or _nothing
 
     @staticmethod
     def failed(error: ImageIOError) -> Pending:
         def result() -> bytearray:
             raise error
         return Pending(result)
+
+
+def _nothing() -> None:
+    pass
 
 
 def _read_error(e, where: str) -> ImageIOError:
