@@ -141,23 +141,32 @@ class AheadSource:
                                     f"server is stopping") from None
 
     def reclaim(self, before: float | None) -> bool:
-        """Let go of the reads sent before `before` and not taken (None: the oldest sent
-        one), freeing their connections (NbdSource asks: a request of its own needs one,
-        or they are stale); whether any was."""
+        """Free connections that reads sent ahead hold (NbdSource asks); whether any was.
+        None: a request needs one now: the oldest sent read is received (its reply has
+        been on its way longest) and stays staged, done. A time: the reads sent before
+        it and never taken are let go (a stream that stopped)."""
         with self._lock:
+            sent = [(key, since) for key, (read, since) in self._staged.items()
+                    if _holds(read)]
             if before is None:
-                keys = [next((key for key, (read, _) in self._staged.items()
-                              if not isinstance(read, Future)), None)]
+                sent = sent[:1]
             else:
-                keys = [key for key, (read, since) in self._staged.items()
-                        if since <= before and not isinstance(read, Future)]
-            gone = []
-            for key in keys:
-                if key is not None:
-                    gone.append(self._staged.pop(key)[0])
-                    self._bytes -= key[1]
-        for read in gone:
-            _let_go(read)
+                sent = [(key, since) for key, since in sent if since <= before]
+            gone = [(key, since, self._staged.pop(key)[0]) for key, since in sent]
+            self._bytes -= sum(key[1] for key, _, _ in gone)
+        for key, since, read in gone:
+            if before is not None:
+                _let_go(read)
+                continue
+            try:
+                data = read.result()
+            except ImageIOError:
+                continue  # the request that wants it reads it itself
+            with self._lock:
+                if not self._closed and key not in self._staged:
+                    self._staged[key] = (_Done(data), since)
+                    self._staged.move_to_end(key, last=False)  # still the oldest
+                    self._bytes += key[1]
         return bool(gone)
 
     def read(self, size: int, offset: int) -> bytearray:
@@ -181,8 +190,25 @@ class AheadSource:
             io.shutdown(wait=True)
 
 
+class _Done:
+    """A sent read received before it was taken (reclaim), as a Future's result()."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytearray) -> None:
+        self.data = data
+
+    def result(self, timeout: float | None = None) -> bytearray:
+        return self.data
+
+
+def _holds(read) -> bool:
+    """Whether a staged read holds a connection of its source (a sent one, unreceived)."""
+    return not isinstance(read, (Future, _Done))
+
+
 def _let_go(read) -> None:
     """A staged read nobody will take: a sent one is abandoned (its connection closed
     unread); one on the I/O threads ends by itself."""
-    if not isinstance(read, Future):
+    if _holds(read):
         read.abandon()

@@ -297,3 +297,31 @@ def test_a_bad_block_read_ahead_fails_exactly_its_request(image, sockdir, tmp_pa
             expect_eio(h, size, offset)
         else:
             assert h.pread(size, offset) == image.expected(offset, size)
+
+
+def test_reads_sent_ahead_for_streams_that_stopped_give_way_to_requests(
+        image, sockdir, tmp_path, servers, upstreams):
+    """Two clients' streams stop with their next reads sent ahead, holding connections
+    of the data upstream's pool; a third client's reads in flight then are all answered
+    (each takes a connection back from those reads), with the image's bytes."""
+    server, data_log, _ = serve(image, sockdir, tmp_path, servers, upstreams, readahead=True)
+    size = 64 << 10
+    streams = [server.connect(), server.connect()]
+    for h, start in zip(streams, (0, 1 << 20), strict=True):
+        for offset in range(start, start + 3 * size, size):
+            assert h.pread(size, offset) == image.expected(offset, size)
+    sent_ahead = len(reads_started(data_log)) - 6
+    assert sent_ahead >= 8, sent_ahead  # the streams' next reads went out (and stay unread)
+    client = server.connect()
+    blocks = [200 + 3 * i for i in range(8)] + [460 + 3 * i for i in range(8)]  # not ahead
+    bufs = {block: nbd.Buffer(4096) for block in blocks}
+    cookies = {block: client.aio_pread(bufs[block], block * 4096) for block in blocks}
+    deadline = time.monotonic() + 30
+    while client.aio_in_flight() and time.monotonic() < deadline:
+        client.poll(100)
+    assert not client.aio_in_flight(), "reads waited for connections held by reads ahead"
+    for block in blocks:
+        assert client.aio_command_completed(cookies[block])
+        assert bufs[block].to_bytearray() == image.expected(block * 4096, 4096)
+    for h in streams:
+        h.shutdown()
