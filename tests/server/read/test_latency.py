@@ -299,29 +299,39 @@ def test_a_bad_block_read_ahead_fails_exactly_its_request(image, sockdir, tmp_pa
             assert h.pread(size, offset) == image.expected(offset, size)
 
 
+def answered_within(h, reads: dict[int, int], seconds: float) -> dict[int, bytearray]:
+    """reads (offset -> size) in flight at once on h; their bytes, or AssertionError if
+    any is unanswered after seconds (a read that waits forever fails, not hangs)."""
+    bufs = {offset: nbd.Buffer(size) for offset, size in reads.items()}
+    cookies = {offset: h.aio_pread(buf, offset) for offset, buf in bufs.items()}
+    deadline = time.monotonic() + seconds
+    while h.aio_in_flight() and time.monotonic() < deadline:
+        h.poll(100)
+    assert not h.aio_in_flight(), "reads waited for connections held by reads ahead"
+    for cookie in cookies.values():
+        assert h.aio_command_completed(cookie)  # an error reply raises here
+    return {offset: buf.to_bytearray() for offset, buf in bufs.items()}
+
+
 def test_reads_sent_ahead_for_streams_that_stopped_give_way_to_requests(
         image, sockdir, tmp_path, servers, upstreams):
     """Two clients' streams stop with their next reads sent ahead, holding connections
-    of the data upstream's pool; a third client's reads in flight then are all answered
-    (each takes a connection back from those reads), with the image's bytes."""
+    of the data upstream's pool; every later read, theirs and a third client's many in
+    flight, is answered (taking a connection back from those reads), with the image's
+    bytes."""
     server, data_log, _ = serve(image, sockdir, tmp_path, servers, upstreams, readahead=True)
     size = 64 << 10
     streams = [server.connect(), server.connect()]
     for h, start in zip(streams, (0, 1 << 20), strict=True):
         for offset in range(start, start + 3 * size, size):
-            assert h.pread(size, offset) == image.expected(offset, size)
+            got = answered_within(h, {offset: size}, 30)
+            assert got[offset] == image.expected(offset, size)
     sent_ahead = len(reads_started(data_log)) - 6
     assert sent_ahead >= 8, sent_ahead  # the streams' next reads went out (and stay unread)
     client = server.connect()
     blocks = [200 + 3 * i for i in range(8)] + [460 + 3 * i for i in range(8)]  # not ahead
-    bufs = {block: nbd.Buffer(4096) for block in blocks}
-    cookies = {block: client.aio_pread(bufs[block], block * 4096) for block in blocks}
-    deadline = time.monotonic() + 30
-    while client.aio_in_flight() and time.monotonic() < deadline:
-        client.poll(100)
-    assert not client.aio_in_flight(), "reads waited for connections held by reads ahead"
+    got = answered_within(client, {block * 4096: 4096 for block in blocks}, 30)
     for block in blocks:
-        assert client.aio_command_completed(cookies[block])
-        assert bufs[block].to_bytearray() == image.expected(block * 4096, 4096)
+        assert got[block * 4096] == image.expected(block * 4096, 4096)
     for h in streams:
         h.shutdown()
