@@ -63,11 +63,16 @@ class Beside:
         submit = getattr(verifier.hashes, "submit", None)
         if submit is not None:
             hbs, starts = geo.hash_block_size, geo.level_start
-            sent = time.perf_counter()
-            return Fetch(self, [((level, lo, hi),
-                                 _Sent(submit((hi - lo + 1) * hbs, (starts[level] + lo) * hbs),
-                                       sent, self.latency))
-                                for level, lo, hi in runs])
+            sent, reads = time.perf_counter(), []
+            for level, lo, hi in runs:  # level 0 first: the one surely needed
+                # never a wait for a connection while holding one: requests in flight
+                # would hold them all, each waiting for another. A run without one is
+                # left to the request's own verification, after its data read.
+                pending = submit((hi - lo + 1) * hbs, (starts[level] + lo) * hbs, wait=False)
+                if pending is None:
+                    break
+                reads.append(((level, lo, hi), _Sent(pending, sent, self.latency)))
+            return Fetch(self, reads) if reads else None
         if self._io is None:
             self._io = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="hash-fetch")
         return Fetch(self, [(run, self._io.submit(self._read, *run)) for run in runs])

@@ -335,3 +335,47 @@ def test_reads_sent_ahead_for_streams_that_stopped_give_way_to_requests(
         assert got[block * 4096] == image.expected(block * 4096, 4096)
     for h in streams:
         h.shutdown()
+
+
+def test_many_cold_requests_in_flight_each_missing_two_levels_are_all_answered(
+        tmp_path, sockdir, servers, upstreams):
+    """512-byte hash blocks: two levels under the root block, neither cached, for each
+    of 16 requests sent at once in the parallel model, each fetching both beside its
+    data: every request is answered with the image's bytes. (Requests that each held a
+    hash connection and waited for a second would wait forever; whether they come to
+    that here depends on the threads' timing, so the rule that prevents it is checked
+    on its own: test_a_read_sent_beside_takes_a_free_connection_or_none.)"""
+    image = make_image(tmp_path / "small", random_bytes(31, 2 * MIB), "--hash-block-size=512")
+    server, _, hash_log = serve(image, sockdir, tmp_path, servers, upstreams,
+                                thread_model="parallel")
+    h = server.connect()
+    blocks = [32 * i + 5 for i in range(16)]  # 16 leaves, under both level-1 blocks
+    got = answered_within(h, {block * 4096: 4096 for block in blocks}, 60)
+    for block in blocks:
+        assert got[block * 4096] == image.expected(block * 4096, 4096)
+    assert most_at_once(reads(hash_log)) >= 8  # the fetches were in flight together
+
+
+def test_a_read_sent_beside_takes_a_free_connection_or_none(image, sockdir, tmp_path,
+                                                            upstreams):
+    """NbdSource.submit(wait=False), what a cold request's hash fetch and a stream's
+    reads ahead send: a read on a free connection of the pool, else None at once (a
+    request holding one connection never waits for another); a read received or
+    abandoned frees its connection."""
+    from nbd_verity.sources.remote import NbdSource
+    upstream, _ = delayed(image.hash, sockdir, "up-hash", tmp_path, delay="50ms")
+    upstreams.append(upstream)
+    expected = image.hash.read_bytes()
+    source = NbdSource(upstream.uri, "hash", connections=1)
+    try:
+        first = source.submit(4096, 0, wait=False)
+        assert first is not None
+        assert source.submit(4096, 4096, wait=False) is None  # the one connection is held
+        assert first.result() == expected[:4096]
+        held = source.submit(4096, 4096, wait=False)
+        assert held is not None
+        held.abandon()  # closed unread
+        again = source.submit(8192, 4096, wait=False)
+        assert again is not None and again.result() == expected[4096:12288]
+    finally:
+        source.close()
