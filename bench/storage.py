@@ -14,7 +14,9 @@ Sources:
   (bench/httpdelay.py); unverified = nbdkit's curl plugin on the data URL;
 - `disk`: the machine's own disk, uncached (root: the page cache is dropped before each
   run, `echo 3 > /proc/sys/vm/drop_caches`); unverified = nbdkit's C `file` plugin, 4 KiB
-  random reads at QD1 and QD16 (a 2 GiB image).
+  random reads at QD1 and QD16 (a 2 GiB image); beside the verified rows, bench/
+  passthrough.py (nbdkit's Python plugin reading the file, verifying nothing, parallel
+  model) against the same baseline: what any Python plugin gets from that disk here.
 
     .venv/bin/python bench/storage.py [--rounds 3] [--runtime 4] [--delays 1ms,10ms]
         [--disk] [--http 10ms] [--thread-models default,serialize-requests]
@@ -101,6 +103,7 @@ def measure_delay(image: images.Image, delay: str, rounds: int, runtime: float,
 DISK_MODELS = (("local disk, uncached", []),
                ("local disk, uncached, --thread-model parallel",
                 ["--thread-model", "parallel"]))
+PASSTHROUGH = "local disk, uncached: Python pass-through (nothing verified), parallel"
 
 
 class DelayedHttp:
@@ -160,6 +163,7 @@ def measure_disk(rounds: int, runtime: float) -> list[dict]:
     for rw, bs, qd in DISK_WORKLOADS:
         job = Job(rw, bs, 1, qd, runtime)
         runs: dict[str, list] = {name: [] for name, _ in DISK_MODELS}
+        runs[PASSTHROUGH] = []
         for _ in range(rounds):
             drop_caches()
             with servers.file_server(image.data) as plain:
@@ -170,7 +174,12 @@ def measure_disk(rounds: int, runtime: float) -> list[dict]:
                     verified = fiorun.run(server.uri(), job, image.size).mb_s
                 runs[name].append((unverified, verified))
                 say(f"{name}: {label(rw, bs, qd)}: {unverified:.1f} / {verified:.1f}")
-        rows += [summary(name, label(rw, bs, qd), runs[name]) for name, _ in DISK_MODELS]
+            drop_caches()
+            with servers.passthrough_server(image.data) as plain_python:
+                python = fiorun.run(plain_python.uri(), job, image.size).mb_s
+            runs[PASSTHROUGH].append((unverified, python))
+            say(f"{PASSTHROUGH}: {label(rw, bs, qd)}: {unverified:.1f} / {python:.1f}")
+        rows += [summary(name, label(rw, bs, qd), runs[name]) for name in runs]
     return rows
 
 
