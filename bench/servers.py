@@ -44,7 +44,8 @@ class Server(Launched):
 
     def __init__(self, name: str, kind: str, argv_tail: list[str], threads: int | None = None,
                  filters: tuple[str, ...] = ()):
-        self.kind = kind  # "file", "curl", "passthrough", "bare", "verity" (serve), "plugin"
+        self.kind = kind  # "file", "curl", "nbd", "passthrough", "bare", "verity" (serve),
+        # "plugin"
         self.filters = [f"--filter={f}" for f in filters]  # nbdkit filters, before the plugin
         self.dir = tempfile.mkdtemp(prefix="nvb-")  # short: sun_path holds 108 bytes
         sock = os.path.join(self.dir, "nbd.sock")
@@ -68,6 +69,8 @@ class Server(Launched):
             return [*argv, "file", *tail]
         if self.kind == "curl":  # an http(s) image read by nbdkit itself, unverified
             return [*argv, "curl", *tail]
+        if self.kind == "nbd":  # another NBD server's export relayed by nbdkit, unverified
+            return [*argv, "nbd", *tail]
         if self.kind == "plugin":
             return [*argv, "python", str(PLUGIN), *tail]
         if self.kind == "bare":
