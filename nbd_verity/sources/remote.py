@@ -315,18 +315,22 @@ class NbdSource:
                 piece = buf[start:start + self._max_read]
                 self._pread(h, piece, offset + start)
             broken = False
-        except _Shutdown:
-            with self._lock:
-                self.source_errors += 1
-                self._drain_until = time.monotonic() + DRAIN_S
-            raise
-        except ImageIOError:
-            with self._lock:
-                self.source_errors += 1
-            broken = _is_dead(h)
+        except ImageIOError as error:
+            broken = self._failed(h, error)
             raise
         finally:
             self._give_back(h, broken)
+
+    def _failed(self, h, error: ImageIOError) -> bool:
+        """Count a read on h that failed; whether h is broken (closed, not given back):
+        dead, or its server stopping (_Shutdown, after which the pool keeps no
+        connection idle for DRAIN_S)."""
+        with self._lock:
+            self.source_errors += 1
+            if isinstance(error, _Shutdown):
+                self._drain_until = time.monotonic() + DRAIN_S
+                return True
+        return _is_dead(h)
 
     def _read_on_pipe(self, buf: memoryview, offset: int) -> None:
         """The read on the one connection, beside the others in flight (pipe.py)."""
@@ -404,15 +408,8 @@ class NbdSource:
             try:
                 self._finish(h, cookie, offset)
                 broken = False
-            except _Shutdown:
-                with self._lock:
-                    self.source_errors += 1
-                    self._drain_until = time.monotonic() + DRAIN_S
-                raise
-            except ImageIOError:
-                with self._lock:
-                    self.source_errors += 1
-                broken = _is_dead(h)
+            except ImageIOError as error:
+                broken = self._failed(h, error)
                 raise
             finally:
                 self._give_back(h, broken)
