@@ -37,9 +37,6 @@ from .latency import Latency
 MAX_STAGED = 64  # reads started ahead and not yet taken, all streams together
 MAX_STAGED_BYTES = 64 << 20  # ... and their bytes
 IO_THREADS = 16
-# connections an NBD source may open over its bound for reads sent ahead (which hold
-# theirs until taken): a stream's 8 next reads beside the client's requests in flight
-SPARE_CONNECTIONS = 8
 WAIT_SLICE_S = 0.25  # a staged read is waited for in slices, after each stopping() is asked
 
 
@@ -81,8 +78,7 @@ class AheadSource:
         if self._submit is None:
             read = io.submit(self._timed_read, length, offset)
         else:
-            read = self._submit(length, offset, into=self._buffers.take(length), wait=False,
-                                spare=SPARE_CONNECTIONS)
+            read = self._submit(length, offset, into=self._buffers.take(length), wait=False)
             if read is None:
                 return  # no connection free now: the request reads it itself
         dropped = []

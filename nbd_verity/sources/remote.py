@@ -205,12 +205,12 @@ class NbdSource:
                 _abandon(h)
                 raise ImageIOError(f"{where()}: abandoned, the server is stopping")
 
-    def _take(self, wait: bool = True, spare: int = 0):
+    def _take(self, wait: bool = True):
         """An idle connection, a new one (up to the limit), or wait for one (wait False:
-        None rather than wait, and up to `spare` connections over the limit)."""
+        None rather than wait)."""
         with self._free:
             if not wait and not self._closed.is_set() and not self._idle and \
-                    self._open >= self.max_connections + spare:
+                    self._open >= self.max_connections:
                 return None
             while self._closed.is_set() or (not self._idle and
                                             self._open >= self.max_connections):
@@ -373,16 +373,14 @@ class NbdSource:
             raise _read_error(e, self._where(offset)) from None
 
     def submit(self, length: int, offset: int, into: bytearray | None = None,
-               wait: bool = True, spare: int = 0) -> Pending | None:
+               wait: bool = True) -> Pending | None:
         """Start reading length bytes at offset (into `into`, else a new buffer) and return
         at once; the Pending's result() waits for them on the caller's thread (no hand-off
         to another): read/beside.py's hash reads, in flight beside the request's data
         read, and sources/ahead.py's reads of a stream's next requests. Any failure is
         result()'s (an ImageIOError, counted). A Pending holds a connection of the pool
         until result() or abandon(): one of the two, always. wait False: None when no
-        connection is free now (a read ahead is not worth a wait); spare: connections it
-        may open over the pool's bound then (reads ahead, which hold theirs until taken:
-        a stream's requests in flight keep the bound for their own reads)."""
+        connection is free now (a read ahead is not worth a wait)."""
         data = bytearray(length) if into is None else into
         if offset + length > self._size or length > self._max_read:
             if not wait:
@@ -392,7 +390,7 @@ class NbdSource:
             return self._submit_on_pipe(data, offset)
         import nbd
         try:
-            h = self._take(wait, spare)
+            h = self._take(wait)
         except ImageIOError as error:
             return Pending.failed(error)
         if h is None:
