@@ -309,11 +309,18 @@ class NbdSource:
     def _read_on_one(self, buf: memoryview, offset: int) -> None:
         """The read on one connection of the pool (given back, or closed if broken)."""
         h = self._take()
+
+        def pieces() -> None:
+            for start in range(0, len(buf), self._max_read):
+                self._pread(h, buf[start:start + self._max_read], offset + start)
+        self._using(h, pieces)
+
+    def _using(self, h, work) -> None:
+        """work() on h, a connection taken from the pool: given back after it, or closed
+        if a failure (counted) left it broken."""
         broken = True
         try:
-            for start in range(0, len(buf), self._max_read):
-                piece = buf[start:start + self._max_read]
-                self._pread(h, piece, offset + start)
+            work()
             broken = False
         except ImageIOError as error:
             broken = self._failed(h, error)
@@ -404,15 +411,7 @@ class NbdSource:
             return Pending.failed(_read_error(e, self._where(offset)))
 
         def result() -> bytearray:
-            broken = True
-            try:
-                self._finish(h, cookie, offset)
-                broken = False
-            except ImageIOError as error:
-                broken = self._failed(h, error)
-                raise
-            finally:
-                self._give_back(h, broken)
+            self._using(h, lambda: self._finish(h, cookie, offset))
             return data
 
         def abandon() -> None:  # its reply is not awaited: the connection goes with it
