@@ -6,10 +6,11 @@ hash source is slow (sources/latency.py: over 250 µs per read lately), Verifier
 starts a Fetch before it reads the data: each level's missing blocks, from the request's
 leaves up to the first cached ancestor, are read in one read per level, every level at
 once. An NBD source's reads are sent by the request's own thread (NbdSource.submit, each
-on a connection of its own: no hand-off to another thread, which cost a 4 KiB request
-at 1 ms ~80 us of CPU); another source's run on the I/O threads. The request's own
-thread reads the data meanwhile, then finishes the fetch: it verifies the fetched blocks
-top down, each against its verified parent (or the root), and caches those that match.
+on a connection of its own: no hand-off to another thread, which cost 4 KiB requests on
+a cold cache at 1 ms 80-120 us of CPU each); another source's run on the I/O threads.
+The request's own thread reads the data meanwhile, then finishes the fetch: it
+verifies the fetched blocks top down, each against its verified parent (or the root),
+and caches those that match.
 A block that does not match, or a read that failed, is left out: the request's
 verification then reads it again and reports it as it always does (or FEC repairs it),
 so a fetch changes when bytes arrive, never what is trusted or which error a request
@@ -68,7 +69,7 @@ class Beside:
                 # never a wait for a connection while holding one: requests in flight
                 # would hold them all, each waiting for another. A run without one is
                 # left to the request's own verification, after its data read.
-                pending = submit((hi - lo + 1) * hbs, (starts[level] + lo) * hbs, wait=False)
+                pending = submit((hi - lo + 1) * hbs, (starts[level] + lo) * hbs)
                 if pending is None:
                     break
                 reads.append(((level, lo, hi), _Sent(pending, sent, self.latency)))

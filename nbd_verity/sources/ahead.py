@@ -8,7 +8,7 @@ AheadSource wraps such a source: the connection's readahead (read/readahead.py) 
 to start the reads of the stream's next requests (ahead()), and the read that asks for
 exactly one of them takes its bytes (read_into). An NBD source's reads are sent by the
 asking thread and received by the taking one (NbdSource.submit: a connection of the
-pool each, only if one is free now; no hand-off to another thread, which cost ~70 us
+pool each, only if one is free now; no hand-off to another thread, which cost 75-110 us
 of CPU per 128 KiB read over the read itself); another source's run on I/O threads.
 Those bytes are untrusted like any other: the verifier hashes them in the request's
 buffer before a byte is served, as it does what read_into returns. A read started ahead
@@ -78,9 +78,11 @@ class AheadSource:
         if self._submit is None:
             read = io.submit(self._timed_read, length, offset)
         else:
-            read = self._submit(length, offset, into=self._buffers.take(length), wait=False)
-            if read is None:
-                return  # no connection free now: the request reads it itself
+            data = self._buffers.take(length)
+            read = self._submit(length, offset, into=data)
+            if read is None:  # no connection free now: the request reads it itself
+                self._buffers.give_back(data)
+                return
         dropped = []
         with self._lock:
             if self._closed or key in self._staged:  # closed, or staged by another meanwhile

@@ -166,8 +166,8 @@ class NbdSource:
             self._idle.append((first, time.monotonic()))
         self._reaper_pid = 0  # the process whose reaper thread runs (none survives a fork)
         # who holds connections with reads sent and not yet taken (sources/ahead.py):
-        # lender.reclaim(before) abandons those sent before `before` (None: the oldest
-        # one), and says whether it freed any
+        # lender.reclaim(before) lets go of those sent before `before` (None: receives
+        # the oldest one), and says whether it freed any
         self.lender = None
 
     # -- connections ------------------------------------------------------------------
@@ -379,36 +379,33 @@ class NbdSource:
         except nbd.Error as e:
             raise _read_error(e, self._where(offset)) from None
 
-    def submit(self, length: int, offset: int, into: bytearray | None = None,
-               wait: bool = True) -> Pending | None:
-        """Start reading length bytes at offset (into `into`, else a new buffer) and return
-        at once; the Pending's result() waits for them on the caller's thread (no hand-off
-        to another): read/beside.py's hash reads, in flight beside the request's data
-        read, and sources/ahead.py's reads of a stream's next requests. Any failure is
-        result()'s (an ImageIOError, counted). A Pending holds a connection of the pool
-        until result() or abandon(): one of the two, always. wait False: None when no
-        connection is free now (a read ahead is not worth a wait)."""
-        data = bytearray(length) if into is None else into
+    def submit(self, length: int, offset: int, into: bytearray | None = None) -> Pending | None:
+        """Start reading length bytes at offset (into `into`, else a new buffer) on a
+        connection free now, and return at once; the Pending's result() waits for them on
+        the caller's thread (no hand-off to another): read/beside.py's hash reads, in
+        flight beside the request's data read, and sources/ahead.py's reads of a stream's
+        next requests. None when no connection is free (a caller holding one never waits
+        for another), the read is longer than one request, or it cannot be sent: the
+        caller reads it itself then, with its own error. A Pending holds its connection
+        until result() (any failure is its ImageIOError, counted) or abandon(): one of
+        the two, always."""
         if offset + length > self._size or length > self._max_read:
-            if not wait:
-                return None
-            return Pending(lambda: self.read(length, offset))  # the plain read, its errors
+            return None
+        data = bytearray(length) if into is None else into
         if self._pipe is not None:
             return self._submit_on_pipe(data, offset)
         import nbd
         try:
-            h = self._take(wait)
-        except ImageIOError as error:
-            return Pending.failed(error)
+            h = self._take(wait=False)
+        except ImageIOError:  # closed, or no connection to be had (counted)
+            return None
         if h is None:
             return None
         try:
             cookie = h.aio_pread(nbd.Buffer.from_buffer(data), offset)
-        except nbd.Error as e:
-            with self._lock:
-                self.source_errors += 1
+        except nbd.Error:
             self._give_back(h, _is_dead(h))
-            return Pending.failed(_read_error(e, self._where(offset)))
+            return None
 
         def result() -> bytearray:
             self._using(h, lambda: self._finish(h, cookie, offset))
@@ -421,14 +418,12 @@ class NbdSource:
                 self._free.notify()
         return Pending(result, abandon)
 
-    def _submit_on_pipe(self, data: bytearray, offset: int) -> Pending:
+    def _submit_on_pipe(self, data: bytearray, offset: int) -> Pending | None:
         """submit() on the one connection: sent now, received by result()."""
         try:
             read = self._pipe.send(len(data), offset, lambda: self._where(offset))
-        except ImageIOError as error:
-            with self._lock:
-                self.source_errors += 1
-            return Pending.failed(error)
+        except ImageIOError:
+            return None
 
         def result() -> bytearray:
             try:
@@ -471,12 +466,6 @@ class Pending:
     def __init__(self, result, abandon=None) -> None:
         self.result = result
         self.abandon = abandon or _nothing
-
-    @staticmethod
-    def failed(error: ImageIOError) -> Pending:
-        def result() -> bytearray:
-            raise error
-        return Pending(result)
 
 
 def _nothing() -> None:

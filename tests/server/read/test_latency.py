@@ -360,24 +360,24 @@ def test_many_cold_requests_in_flight_each_missing_two_levels_are_all_answered(
 
 def test_a_read_sent_beside_takes_a_free_connection_or_none(image, sockdir, tmp_path,
                                                             upstreams):
-    """NbdSource.submit(wait=False), what a cold request's hash fetch and a stream's
-    reads ahead send: a read on a free connection of the pool, else None at once (a
-    request holding one connection never waits for another); a read received or
-    abandoned frees its connection."""
+    """NbdSource.submit, what a cold request's hash fetch and a stream's reads ahead
+    send: a read on a free connection of the pool, else None at once (a request holding
+    one connection never waits for another); a read received or abandoned frees its
+    connection."""
     from nbd_verity.sources.remote import NbdSource
     upstream, _ = delayed(image.hash, sockdir, "up-hash", tmp_path, delay="50ms")
     upstreams.append(upstream)
     expected = image.hash.read_bytes()
     source = NbdSource(upstream.uri, "hash", connections=1)
     try:
-        first = source.submit(4096, 0, wait=False)
+        first = source.submit(4096, 0)
         assert first is not None
-        assert source.submit(4096, 4096, wait=False) is None  # the one connection is held
+        assert source.submit(4096, 4096) is None  # the one connection is held
         assert first.result() == expected[:4096]
-        held = source.submit(4096, 4096, wait=False)
+        held = source.submit(4096, 4096)
         assert held is not None
         held.abandon()  # closed unread
-        again = source.submit(8192, 4096, wait=False)
+        again = source.submit(8192, 4096)
         assert again is not None and again.result() == expected[4096:12288]
     finally:
         source.close()
