@@ -49,6 +49,16 @@ class Readahead:
         # data bytes one leaf covers (0: no level 0, nothing to read ahead)
         self.leaf_bytes = geo.data_block_size * geo.hashes_per_block if geo.levels else 0
 
+    def random(self, offset: int, length: int) -> bool:
+        """before_read for a request that reads nothing ahead (it does not continue the
+        stream and is shorter than min_size): noted, True. Any other: False, nothing
+        noted (before_read's). serve/fastpath.py's remote read asks it."""
+        if offset == self.last_end or length >= self.min_size or not self.leaf_bytes:
+            return False
+        self.last_end = offset + length
+        self.window, self.next_leaf = 0, -1
+        return True
+
     def before_read(self, offset: int, length: int) -> None:
         """Prefetch what this request (offset, length) and its stream will need."""
         sequential = offset == self.last_end

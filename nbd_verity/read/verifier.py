@@ -68,6 +68,10 @@ class Verifier(FecRepairs):
         # serve/fastpath.py may answer aligned reads under one cached leaf itself: its
         # success path is _read_verify's, and everything else comes back here.
         self.fast_path_ready = self._reads_native
+        # ... and aligned reads under one cached leaf from an NBD source's idle connection
+        # (read_idle), verified with the same native call as _verify_blocks' runs.
+        self.fast_reads = (getattr(data, "read_idle", None) if self._hasher is not None
+                           else None)
         self.beside = Beside(self)  # a cold request's hash blocks read beside its data
 
     # -- start-up ---------------------------------------------------------------------

@@ -180,11 +180,16 @@ class Dispatcher:
                     self._read_in_pool(buf, offset)
             finally:  # failed requests count too, and their latency
                 self.stats.record(io_class, path, length, time.perf_counter() - started)
-        except ImageIOError as e:  # the request's one count and line (nbdkit logs EIO too)
-            if self._counters is not None:
-                self._counters.add(io_errors=1)
-            log(str(e))
+        except ImageIOError as e:
+            self.failed(e)
             raise
+
+    def failed(self, error: ImageIOError) -> None:
+        """A request failed to read: its one count and line (nbdkit logs EIO too); the
+        fast path's remote reads (serve/fastpath.py) count theirs here too."""
+        if self._counters is not None:
+            self._counters.add(io_errors=1)
+        log(str(error))
 
     def busy(self, io_class: int) -> None:
         """Count a pool-sized request verified inline because the pool did not take it

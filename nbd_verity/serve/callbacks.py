@@ -308,23 +308,23 @@ def pread(h, buf, offset, flags):
     # is busy, and counts it while a worse one watches (schedule/gate.py)
     counted = _gate.ranked and _gate.enter(h.io_class)
     try:
-        if h.fast(buf, offset):  # the common request, in one frame more (fastpath.py)
-            return
-        if len(buf) > MAX_REQUEST_SIZE:  # nbdkit 1.32 does not enforce block_size's maximum
-            problem = (errno.EINVAL, f"read of {len(buf)} bytes exceeds the maximum "
-                                     f"{MAX_REQUEST_SIZE}")
-        else:  # the general path (schedule/dispatch.py)
-            try:
+        try:
+            if h.fast(buf, offset):  # the common request, in one frame more (fastpath.py)
+                return
+            if len(buf) > MAX_REQUEST_SIZE:  # nbdkit 1.32 does not enforce the maximum
+                problem = (errno.EINVAL, f"read of {len(buf)} bytes exceeds the maximum "
+                                         f"{MAX_REQUEST_SIZE}")
+            else:  # the general path (schedule/dispatch.py)
                 h.device.dispatcher.read(memoryview(buf), offset, h)
                 return
-            except CorruptionError as e:
-                if h.device.config.mode == RESTART_ON_CORRUPTION:
-                    _restart()
-                problem = errno.EIO, str(e)
-            except ImageIOError as e:  # counted and logged by the dispatcher
-                problem = errno.EIO, str(e)
-                if _stopping():
-                    _hang_up()
+        except CorruptionError as e:
+            if h.device.config.mode == RESTART_ON_CORRUPTION:
+                _restart()
+            problem = errno.EIO, str(e)
+        except ImageIOError as e:  # counted and logged by the dispatcher (or the fast path)
+            problem = errno.EIO, str(e)
+            if _stopping():
+                _hang_up()
     finally:
         if counted:
             _gate.leave(h.io_class)

@@ -9,7 +9,10 @@ is not a local file, the pure-Python engine). For it bind()'s function reads and
 verifies straight into nbdkit's buffer with one read_verify call and counts what the
 general path would count. Anything else, and any failure here (a mismatch, a short
 read), goes to the general path from the start (Dispatcher.read), which stays the
-reference: the request's bytes, error and counters are its own there.
+reference: the request's bytes, error and counters are its own there. An image read
+over NBD has its own (bind_remote): the same request, if it also reads nothing ahead,
+read on an idle connection of the source and verified with one native call; a read the
+upstream fails is the request's failure there too (Dispatcher.failed counts it).
 Invariants: what it counts (ctl stats) equals the general path's for the same request
 (tests/server/serve/test_fastpath.py compares every answer and counter); one request in
 SAMPLE_EVERY per thread has its latency timed (every one the pool did not take).
@@ -28,6 +31,7 @@ from threading import get_ident
 from time import perf_counter
 
 from ..control.table import INLINE
+from ..errors import ImageIOError
 from ..limits import MAX_REQUEST_SIZE, switched_off
 from ..schedule.dispatch import SHARED_MIN
 
@@ -39,8 +43,8 @@ def enabled(device) -> bool:
     """Whether the requests of a device (a device.Device) may take the fast path at all:
     its options and sources allow it, and the environment does not turn it off."""
     verifier = device.verifier
-    return (not switched_off(FAST_PATH_ENV)
-            and verifier.fast_path_ready and device.fec is None)  # ready: a local file
+    return (not switched_off(FAST_PATH_ENV) and device.fec is None
+            and (verifier.fast_path_ready or verifier.fast_reads is not None))
 
 
 def never(buf, offset: int) -> None:
@@ -54,7 +58,11 @@ def bind(connection) -> Callable[[object, int], object]:
     answered the request (buf filled and verified); else None, for the general path
     (Dispatcher.read)."""
     device = connection.device
-    if connection.readahead is not None or not device.fast_path:
+    if not device.fast_path:
+        return never
+    if not device.verifier.fast_path_ready:
+        return bind_remote(connection)
+    if connection.readahead is not None:
         return never
     verifier, dispatcher = device.verifier, device.dispatcher
     geo = verifier.geo
@@ -133,6 +141,77 @@ def bind(connection) -> Callable[[object, int], object]:
             return False
         latency.append(perf_counter() - started)
         dispatcher.busy(io_class)
+        return True
+
+    return fast
+
+
+def bind_remote(connection) -> Callable[[object, int], object]:
+    """The fast path of one connection to an image read over NBD (the verifier's
+    fast_reads: an NBD source's read_idle): an aligned request under one cached leaf
+    within its class's threshold, which reads nothing ahead (Readahead.random), read on
+    a connection idle now and verified with the native call of the general path's runs.
+    A read the source fails is the general path's failure (Dispatcher.failed: counted,
+    logged, raised); anything else it declines (no idle connection, reads sent ahead
+    staged, a digest that differs) goes to the general path, which reads again."""
+    device = connection.device
+    verifier, dispatcher = device.verifier, device.dispatcher
+    geo = verifier.geo
+    dbs = geo.data_block_size
+    mask, shift = dbs - 1, dbs.bit_length() - 1
+    hpb_bits, slot_size = geo.hpb_bits, geo.slot_size
+    hpb_mask = (1 << hpb_bits) - 1
+    leaf_start = geo.level_start[0]
+    leaves = device.cache.level(0)
+    verify = verifier.digester.native.verify
+    read_idle = verifier.fast_reads
+    readahead = connection.readahead
+    io_class = connection.io_class
+    slot = dispatcher.stats.slot(io_class, INLINE)
+    latency = dispatcher.stats.latency(io_class, INLINE)
+    counters, cache, stats = verifier.counters, device.cache, dispatcher.stats
+    rows_of: dict[int, tuple[list[int], list[int], list[int]]] = {}
+    sample_mask = SAMPLE_EVERY - 1
+
+    def rows() -> tuple[list[int], list[int], list[int]]:
+        mine = rows_of[get_ident()] = (counters.row(), cache.row(), stats.row())
+        return mine
+
+    def fast(buf, offset: int):
+        size = len(buf)
+        if offset & mask or size & mask or not size or size > dispatcher.table[io_class]:
+            return None
+        first = offset >> shift
+        blocks = size >> shift
+        index = first & hpb_mask
+        if index + blocks > hpb_mask + 1:
+            return None
+        block = leaf_start + (first >> hpb_bits)
+        leaf = leaves.get(block)
+        if leaf is None or (readahead is not None and not readahead.random(offset, size)):
+            return None
+        started = perf_counter()
+        try:
+            if not read_idle(buf, offset):
+                return None
+        except ImageIOError as error:  # the request's failure, as the general path's
+            dispatcher.failed(error)
+            stats.record(io_class, INLINE, size, perf_counter() - started)
+            raise
+        at = index * slot_size
+        if verify(buf, dbs, leaf[at:at + blocks * slot_size]) != -1:
+            return None  # the general path reads it again, and reports it
+        verified, hits, path = rows_of.get(get_ident()) or rows()
+        if not path[slot] & sample_mask:
+            latency.append(perf_counter() - started)
+        try:  # noqa: SIM105 - as HashBlockCache.get: LRU order, evicted meanwhile
+            leaves.move_to_end(block)
+        except KeyError:
+            pass
+        verified[0] += blocks
+        hits[0] += 1
+        path[slot] += 1
+        path[slot + 1] += size
         return True
 
     return fast

@@ -56,6 +56,7 @@ class AheadSource:
         self._io: ThreadPoolExecutor | None = None  # made at the first read ahead (after fork)
         self._buffers = Buffers()  # staging buffers, reused
         self._submit = getattr(source, "submit", None)  # an NBD source's: sent from here
+        self._read_idle = getattr(source, "read_idle", None)  # an NBD source's: read_idle
         self._closed = False
         if self._submit is not None:  # a request that finds no connection free takes one
             source.lender = self  # of ours; one staged for IDLE_S is let go (reclaim)
@@ -127,6 +128,20 @@ class AheadSource:
         started = time.perf_counter()
         self.source.read_into(buf, offset)
         self.latency.add(time.perf_counter() - started)
+
+    def read_idle(self, buf, offset: int) -> bool:
+        """read_into on a connection idle now (NbdSource.read_idle), timed as read_into
+        times its reads: False, having done nothing, while reads sent ahead are staged
+        (read_into takes them) or when the source has no read_idle or no idle
+        connection; else True, or read_into's ImageIOError."""
+        read_idle = self._read_idle
+        if self._staged or read_idle is None:
+            return False
+        started = time.perf_counter()
+        if not read_idle(buf, offset):
+            return False
+        self.latency.add(time.perf_counter() - started)
+        return True
 
     def _result(self, staged):
         """A staged read's bytes, waited for in slices: a server stopping ends the wait

@@ -159,6 +159,8 @@ class NbdSource:
         self.multi_conn = bool(first.can_multi_conn())
         self.max_connections = max(1, connections) if self.multi_conn else 1
         self._max_read = _max_read_size(first)
+        import nbd
+        self._shared, self._nbd_error = nbd.Buffer.from_buffer, nbd.Error  # read_idle's
         self._open = 1
         # without multi-conn: the one connection carries every read in flight (pipe.py)
         self._pipe = None if self.multi_conn else Pipe(self, first, IDLE_S)
@@ -305,6 +307,42 @@ class NbdSource:
             read(buf, offset)
         except _Shutdown:  # that server is going: once more, on a new connection
             read(buf, offset)
+
+    def read_idle(self, buf, offset: int) -> bool:
+        """read_into on a connection idle now, in one frame (serve/fastpath.py's remote
+        read): False, having done nothing, when none is idle, the read is longer than one
+        request, or the connections are a pipe; else True once buf holds the bytes, or
+        the ImageIOError read_into would raise (counted; one more try on a new connection
+        after a server said it stops). Its wait is _finish's once a poll slice passed
+        without a reply (deadline from then on)."""
+        if self._pipe is not None or offset + len(buf) > self._size or \
+                len(buf) > self._max_read:
+            return False
+        with self._free:
+            if not self._idle:
+                return False
+            h = self._idle.pop()[0]
+        broken = again = True
+        try:
+            try:
+                cookie = h.aio_pread(self._shared(buf), offset)
+                while not h.aio_command_completed(cookie):
+                    if not h.poll(POLL_SLICE_MS):  # a slice without a reply: the deadline
+                        self._finish(h, cookie, offset)  # and stopping() from here on
+                        break
+            except self._nbd_error as e:
+                raise _read_error(e, self._where(offset)) from None
+            broken = again = False
+        except _Shutdown as error:
+            broken = self._failed(h, error)
+        except ImageIOError as error:
+            broken = self._failed(h, error)
+            raise
+        finally:
+            self._give_back(h, broken)
+        if again:  # that server is going: once more, on a new connection
+            self._read_on_one(buf, offset)
+        return True
 
     def _read_on_one(self, buf: memoryview, offset: int) -> None:
         """The read on one connection of the pool (given back, or closed if broken)."""

@@ -4,7 +4,9 @@ it answers is the general path's answer: the same bytes, the same errors, the sa
 In process, a Device per path reads the same requests (random sizes and offsets, aligned
 or not, over a damaged copy) and their results and `stats` counters are compared; the
 fast path's own decision is checked request by request. Through nbdkit, a server on each
-path serves the same workload and the control socket's counters are compared.
+path serves the same workload and the control socket's counters are compared. The same
+holds for an image read over NBD (real nbdkit `file` upstreams): its fast path reads on
+an idle connection of the source's pool, and a read the upstream fails fails alike.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import random
 import nbd
 import pytest
 
-from nbd_verity.errors import CorruptionError, VerityError
+from nbd_verity.errors import CorruptionError, ImageIOError, VerityError
 from nbd_verity.format import digest
 from nbd_verity.ioclass import CLASSES
 from nbd_verity.prepare.config import config_from_pairs
@@ -23,6 +25,7 @@ from nbd_verity.serve.device import Connection, Device
 from nbd_verity.serve.fastpath import SAMPLE_EVERY, never
 
 from ..serverlib import FAST_PATH_ENV, MIB, control_request, flip_byte, read_general
+from ..upstreams import NbdkitFile
 
 pytestmark = pytest.mark.skipif(digest._native is None, reason="the fast path needs the "
                                 "native engine (not built, or NBD_VERITY_PURE=1)")
@@ -263,3 +266,116 @@ def test_through_nbdkit_both_paths_count_alike(damaged, servers, sockdir):
     assert counts[0] == counts[1]
     assert any(isinstance(r, int) for r in results[0])  # some requests did fail
     assert sum(len(r) for r in results[0] if isinstance(r, bytes)) > 2 * MIB
+
+
+def remote_device(image, monkeypatch, path: str, data_uri: str, hash_uri: str,
+                  **keys) -> Device:
+    """A Device reading image over NBD (Merkle and data readahead at their default for a
+    network image: on), on the fast or the general path."""
+    if path == "general":
+        monkeypatch.setenv(FAST_PATH_ENV, "0")
+    else:
+        monkeypatch.delenv(FAST_PATH_ENV, raising=False)
+    pairs = [("data", data_uri), ("hash", hash_uri), ("root-hash", image.root),
+             ("threshold-preset", "fixed")]
+    return Device(config_from_pairs(pairs + [(k.replace("_", "-"), str(v))
+                                             for k, v in keys.items()]))
+
+
+def slow_hashes(image, sockdir: str) -> NbdkitFile:
+    """The hash image's upstream, 1 ms per read: slow for every device alike, so that each
+    fetches a cold request's leaf beside its data (read/beside.py) whatever the machine's
+    load, and two devices' counters compare."""
+    return NbdkitFile(image.hash, sockdir, "fp-hash", ("delay",), ("rdelay=1ms",)).start()
+
+
+@pytest.mark.parametrize("mode", ["eio", "ignore-corruption"])
+def test_over_nbd_both_paths_give_the_same_answers_and_counts(damaged, monkeypatch, sockdir,
+                                                              upstreams, mode):
+    data = NbdkitFile(damaged.data, sockdir, "fp-data").start()
+    hashes = slow_hashes(damaged, sockdir)
+    upstreams += [data, hashes]
+    devices = [remote_device(damaged, monkeypatch, path, data.uri, hashes.uri,
+                             error_mode=mode) for path in ("fast", "general")]
+    try:
+        assert [d.fast_path for d in devices] == [True, False]
+        conns = [Connection(d) for d in devices]
+        answered = []
+        bound = conns[0].fast
+        conns[0].fast = lambda buf, offset: answered.append(bound(buf, offset)) or answered[-1]
+        for offset, length in requests(3, damaged.size):
+            fast, general = (outcome(c, offset, length) for c in conns)
+            assert fast == general, (offset, length)
+            if isinstance(fast, bytes) and mode == "eio":
+                assert fast == damaged.expected(offset, length)
+        assert answered.count(True) > 50, "the fast path answered too few requests"
+        fast, general = (counted(d) for d in devices)
+        assert fast == general, {k: (v, general["totals"][k])
+                                 for k, v in fast["totals"].items() if v != general["totals"][k]}
+    finally:
+        for d in devices:
+            d.close()
+
+
+def test_over_nbd_the_fast_path_takes_only_a_random_read_under_a_cached_leaf(
+        default_image, monkeypatch, sockdir, upstreams):
+    """Not a stream's next request (the general path reads it ahead), not one as large as
+    readahead-min-size, not a leaf that is not cached."""
+    data = NbdkitFile(default_image.data, sockdir, "fp-data").start()
+    hashes = slow_hashes(default_image, sockdir)
+    upstreams += [data, hashes]
+    dev = remote_device(default_image, monkeypatch, "fast", data.uri, hashes.uri,
+                        readahead_min_size="64K")
+    try:
+        conn = Connection(dev)
+        read_general(conn, memoryview(bytearray(4096)), 0)  # leaf 0 cached
+        for offset, length, taken in [  # the stream's last: its reads ahead may wait
+            (8 * 4096, 4096, True), (20 * 4096, 4096, True),
+            (40 * 4096, 65536, False),  # as large as the minimum
+            (100 * 4096, 8192, True), (LEAF_SPAN * 3, 4096, False),  # leaf 3 not cached
+            (LEAF_SPAN * 3 + 4096, 4096, False),  # the stream's next: the general path's
+        ]:
+            buf = bytearray(length)
+            assert (conn.fast(buf, offset) is True) == taken, (offset, length)
+            if not taken:
+                read_general(conn, memoryview(buf), offset)
+            assert buf == default_image.expected(offset, length)
+    finally:
+        dev.close()
+
+
+def test_over_nbd_a_read_the_upstream_fails_fails_alike_on_both_paths(
+        default_image, monkeypatch, sockdir, tmp_path, upstreams):
+    """The fast path raises the general path's error (text and counters alike), keeps its
+    connection (a server's error leaves it usable), and serves again once the upstream
+    does."""
+    trigger = tmp_path / "fail-reads"
+    data = NbdkitFile(default_image.data, sockdir, "fp-data", ("error",),
+                      ("error-pread-rate=100%", f"error-pread-file={trigger}")).start()
+    hashes = slow_hashes(default_image, sockdir)
+    upstreams += [data, hashes]
+    devices = [remote_device(default_image, monkeypatch, path, data.uri, hashes.uri)
+               for path in ("fast", "general")]
+    try:
+        conns = [Connection(d) for d in devices]
+        for conn in conns:
+            read_general(conn, memoryview(bytearray(4096)), 0)  # leaf 0 cached
+        trigger.touch()
+        with pytest.raises(ImageIOError) as raised:  # raised, not declined
+            conns[0].fast(bytearray(4096), 8 * 4096)
+        with pytest.raises(ImageIOError) as general:
+            read_general(conns[1], memoryview(bytearray(4096)), 8 * 4096)
+        assert str(raised.value) == str(general.value)
+        assert "read at byte 32768" in str(raised.value)
+        fast, general = (counted(d) for d in devices)
+        assert fast == general, {k: (v, general["totals"][k])
+                                 for k, v in fast["totals"].items() if v != general["totals"][k]}
+        assert counted(devices[0])["totals"]["io_errors"] == 1
+        trigger.unlink()
+        buf = bytearray(4096)
+        assert conns[0].fast(buf, 16 * 4096) is True
+        assert buf == default_image.expected(16 * 4096, 4096)
+        assert devices[0].stats()["totals"]["reconnects"] == 0
+    finally:
+        for d in devices:
+            d.close()
