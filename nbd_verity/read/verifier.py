@@ -69,7 +69,7 @@ class Verifier(FecRepairs):
         # success path is _read_verify's, and everything else comes back here.
         self.fast_path_ready = self._reads_native
         # ... and aligned reads under one cached leaf from an NBD source's idle connection
-        # (read_idle), verified with the same native call as _verify_blocks' runs.
+        # (read_idle), verified with the same native call as verify_blocks' runs.
         self.fast_reads = (getattr(data, "read_idle", None) if self._hasher is not None
                            else None)
         self.beside = Beside(self)  # a cold request's hash blocks read beside its data
@@ -248,7 +248,7 @@ class Verifier(FecRepairs):
             return
         if fetch is not None:
             fetch.finish()
-        self._verify_blocks(mv, first, count)
+        self.verify_blocks(mv, first, count)
 
     def _read_or_rebuild(self, mv: memoryview, first: int, count: int,
                          error: ImageIOError) -> None:
@@ -265,7 +265,7 @@ class Verifier(FecRepairs):
             except ImageIOError as block_error:
                 self._rebuild_unreadable(block, piece, block_error)
                 continue
-            self._verify_blocks(piece, block, 1)
+            self.verify_blocks(piece, block, 1)
 
     def _after_run(self, mv: memoryview, first: int, count: int, bad: int) -> None:
         """Count a checked run; from its first differing block on, take the general path."""
@@ -276,7 +276,7 @@ class Verifier(FecRepairs):
         dbs = self.geo.data_block_size
         self._verify_blocks_one_by_one(mv[bad * dbs:], first + bad, count - bad)
 
-    def _verify_blocks(self, mv: memoryview, first: int, count: int) -> None:
+    def verify_blocks(self, mv: memoryview, first: int, count: int) -> None:
         """Check `count` consecutive data blocks held in mv (in place), one level-0 block
         at a time: the run is hashed and compared with its slots in one call, and only
         from a block that differs on is it examined block by block."""

@@ -148,12 +148,14 @@ def bind(connection) -> Callable[[object, int], object]:
 
 def bind_remote(connection) -> Callable[[object, int], object]:
     """The fast path of one connection to an image read over NBD (the verifier's
-    fast_reads: an NBD source's read_idle): an aligned request under one cached leaf
-    within its class's threshold, which reads nothing ahead (Readahead.random), read on
-    a connection idle now and verified with the native call of the general path's runs.
-    A read the source fails is the general path's failure (Dispatcher.failed: counted,
-    logged, raised); anything else it declines (no idle connection, reads sent ahead
-    staged, a digest that differs) goes to the general path, which reads again."""
+    fast_reads: an NBD source's read_idle): an aligned request under one leaf within its
+    class's threshold, which reads nothing ahead (Readahead.random). Under a cached leaf
+    it is read on a connection idle now and verified with the native call of the
+    general path's runs; under a leaf not cached, the leaf's read is sent beside the
+    data read (cold(): the general path's steps without its frames). A read the source
+    fails is the general path's failure (Dispatcher.failed: counted, logged, raised);
+    anything else it declines (no idle connection, reads sent ahead staged, a digest
+    that differs) goes to the general path, which reads again."""
     device = connection.device
     verifier, dispatcher = device.verifier, device.dispatcher
     geo = verifier.geo
@@ -165,6 +167,8 @@ def bind_remote(connection) -> Callable[[object, int], object]:
     leaves = device.cache.level(0)
     verify = verifier.digester.native.verify
     read_idle = verifier.fast_reads
+    read_into, verify_blocks = verifier.data.read_into, verifier.verify_blocks
+    beside_start = verifier.beside.start
     readahead = connection.readahead
     io_class = connection.io_class
     slot = dispatcher.stats.slot(io_class, INLINE)
@@ -186,10 +190,12 @@ def bind_remote(connection) -> Callable[[object, int], object]:
         index = first & hpb_mask
         if index + blocks > hpb_mask + 1:
             return None
+        if readahead is not None and not readahead.random(offset, size):
+            return None
         block = leaf_start + (first >> hpb_bits)
         leaf = leaves.get(block)
-        if leaf is None or (readahead is not None and not readahead.random(offset, size)):
-            return None
+        if leaf is None:
+            return cold(buf, offset, first, blocks)
         started = perf_counter()
         try:
             if not read_idle(buf, offset):
@@ -212,6 +218,30 @@ def bind_remote(connection) -> Callable[[object, int], object]:
         hits[0] += 1
         path[slot] += 1
         path[slot + 1] += size
+        return True
+
+    def cold(buf, offset: int, first: int, blocks: int):
+        """The leaf is not cached: its read (and any missing parent's) sent beside the
+        data read (Beside.start: None when the hash source answers fast or has no free
+        connection, and the general path decides), then the general path's own steps,
+        without its frames: the fetch finished after the data, the run verified, counted
+        and timed as Dispatcher.read counts and times it."""
+        fetch = beside_start(first, blocks)
+        if fetch is None:
+            return None
+        started = perf_counter()
+        try:
+            try:
+                if not read_idle(buf, offset):
+                    read_into(memoryview(buf), offset)
+            finally:
+                fetch.finish()  # also after a failed data read: it holds connections
+            verify_blocks(memoryview(buf), first, blocks)
+        except ImageIOError as error:
+            dispatcher.failed(error)
+            raise
+        finally:
+            stats.record(io_class, INLINE, len(buf), perf_counter() - started)
         return True
 
     return fast

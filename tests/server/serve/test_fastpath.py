@@ -320,7 +320,8 @@ def test_over_nbd_both_paths_give_the_same_answers_and_counts(damaged, monkeypat
 def test_over_nbd_the_fast_path_takes_only_a_random_read_under_a_cached_leaf(
         default_image, monkeypatch, sockdir, upstreams):
     """Not a stream's next request (the general path reads it ahead), not one as large as
-    readahead-min-size, not a leaf that is not cached."""
+    readahead-min-size; a leaf not cached is read beside the data (the hash upstream is
+    slow), and cached."""
     data = NbdkitFile(default_image.data, sockdir, "fp-data").start()
     hashes = slow_hashes(default_image, sockdir)
     upstreams += [data, hashes]
@@ -332,7 +333,8 @@ def test_over_nbd_the_fast_path_takes_only_a_random_read_under_a_cached_leaf(
         for offset, length, taken in [  # the stream's last: its reads ahead may wait
             (8 * 4096, 4096, True), (20 * 4096, 4096, True),
             (40 * 4096, 65536, False),  # as large as the minimum
-            (100 * 4096, 8192, True), (LEAF_SPAN * 3, 4096, False),  # leaf 3 not cached
+            (100 * 4096, 8192, True),
+            (LEAF_SPAN * 3, 4096, True),  # leaf 3 not cached: read beside the data
             (LEAF_SPAN * 3 + 4096, 4096, False),  # the stream's next: the general path's
         ]:
             buf = bytearray(length)
@@ -340,6 +342,10 @@ def test_over_nbd_the_fast_path_takes_only_a_random_read_under_a_cached_leaf(
             if not taken:
                 read_general(conn, memoryview(buf), offset)
             assert buf == default_image.expected(offset, length)
+        assert dev.cache.contains(dev.geo.level_start[0] + 3)
+        totals = dev.stats()["totals"]  # the root's read, leaf 0's, leaf 3's (beside the
+        # data) and the stream's first window (leaves 4 and 5, by the general path)
+        assert (totals["hash_reads"], totals["hash_blocks_read"]) == (4, 5)
     finally:
         dev.close()
 
@@ -371,6 +377,15 @@ def test_over_nbd_a_read_the_upstream_fails_fails_alike_on_both_paths(
         assert fast == general, {k: (v, general["totals"][k])
                                  for k, v in fast["totals"].items() if v != general["totals"][k]}
         assert counted(devices[0])["totals"]["io_errors"] == 1
+        cold = LEAF_SPAN * 2  # leaf 2 not cached: fetched beside the failing data read
+        with pytest.raises(ImageIOError) as raised:
+            conns[0].fast(bytearray(4096), cold)
+        with pytest.raises(ImageIOError) as general:
+            read_general(conns[1], memoryview(bytearray(4096)), cold)
+        assert str(raised.value) == str(general.value)
+        assert counted(devices[0]) == counted(devices[1])
+        assert counted(devices[0])["totals"]["io_errors"] == 2
+        assert all(d.cache.contains(d.geo.level_start[0] + 2) for d in devices)
         trigger.unlink()
         buf = bytearray(4096)
         assert conns[0].fast(buf, 16 * 4096) is True
