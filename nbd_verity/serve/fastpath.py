@@ -52,6 +52,29 @@ def never(buf, offset: int) -> None:
     return None
 
 
+def _bound(connection) -> tuple:
+    """What both fast paths bind when a connection opens: its device's verifier and
+    dispatcher, the geometry as masks and shifts, the level-0 LRU itself (never
+    replaced), the connection's class and its inline slot (requests; bytes at slot + 1)
+    and latency samples, and each thread's counting rows (rows_of by thread ident;
+    rows() makes the calling thread's: data_blocks_verified, cache hits, path stats)."""
+    device = connection.device
+    verifier, dispatcher = device.verifier, device.dispatcher
+    geo = verifier.geo
+    dbs = geo.data_block_size
+    io_class = connection.io_class
+    counters, cache, stats = verifier.counters, device.cache, dispatcher.stats
+    rows_of: dict[int, tuple[list[int], list[int], list[int]]] = {}
+
+    def rows() -> tuple[list[int], list[int], list[int]]:
+        mine = rows_of[get_ident()] = (counters.row(), cache.row(), stats.row())
+        return mine
+    return (verifier, dispatcher, dbs, dbs - 1, dbs.bit_length() - 1, geo.hpb_bits,
+            (1 << geo.hpb_bits) - 1, geo.slot_size, geo.level_start[0], cache.level(0),
+            io_class, stats.slot(io_class, INLINE), stats.latency(io_class, INLINE),
+            rows_of, rows)
+
+
 def bind(connection) -> Callable[[object, int], object]:
     """The fast path of one connection (a device.Connection, which calls this: not
     imported here, so that the import runs one way): fast(buf, offset) -> True when it
@@ -64,28 +87,12 @@ def bind(connection) -> Callable[[object, int], object]:
         return bind_remote(connection)
     if connection.readahead is not None:
         return never
-    verifier, dispatcher = device.verifier, device.dispatcher
-    geo = verifier.geo
-    dbs = geo.data_block_size
-    mask, shift = dbs - 1, dbs.bit_length() - 1
-    hpb_bits, slot_size = geo.hpb_bits, geo.slot_size
-    hpb_mask = (1 << hpb_bits) - 1
-    leaf_start = geo.level_start[0]
-    leaves = device.cache.level(0)  # the level-0 LRU itself, never replaced
+    (verifier, dispatcher, dbs, mask, shift, hpb_bits, hpb_mask, slot_size, leaf_start,
+     leaves, io_class, slot, latency, rows_of, rows) = _bound(connection)
     read_verify = verifier.digester.native.read_verify
     fd = device.data.fd
-    io_class = connection.io_class
     client = id(connection)  # as Dispatcher.read names the connection to the pool
-    slot = dispatcher.stats.slot(io_class, INLINE)  # requests; bytes at slot + 1
-    latency = dispatcher.stats.latency(io_class, INLINE)
-    counters, cache, stats = verifier.counters, device.cache, dispatcher.stats
-    rows_of: dict[int, tuple[list[int], list[int], list[int]]] = {}
     sample_mask = SAMPLE_EVERY - 1
-
-    def rows() -> tuple[list[int], list[int], list[int]]:
-        """This thread's rows: data_blocks_verified at 0, cache hits at 0, path stats."""
-        mine = rows_of[get_ident()] = (counters.row(), cache.row(), stats.row())
-        return mine
 
     def fast(buf, offset: int):
         size = len(buf)
@@ -156,30 +163,15 @@ def bind_remote(connection) -> Callable[[object, int], object]:
     fails is the general path's failure (Dispatcher.failed: counted, logged, raised);
     anything else it declines (no idle connection, reads sent ahead staged, a digest
     that differs) goes to the general path, which reads again."""
-    device = connection.device
-    verifier, dispatcher = device.verifier, device.dispatcher
-    geo = verifier.geo
-    dbs = geo.data_block_size
-    mask, shift = dbs - 1, dbs.bit_length() - 1
-    hpb_bits, slot_size = geo.hpb_bits, geo.slot_size
-    hpb_mask = (1 << hpb_bits) - 1
-    leaf_start = geo.level_start[0]
-    leaves = device.cache.level(0)
+    (verifier, dispatcher, dbs, mask, shift, hpb_bits, hpb_mask, slot_size, leaf_start,
+     leaves, io_class, slot, latency, rows_of, rows) = _bound(connection)
     verify = verifier.digester.native.verify
     read_idle = verifier.fast_reads
     read_into, verify_blocks = verifier.data.read_into, verifier.verify_blocks
     beside_start = verifier.beside.start
     readahead = connection.readahead
-    io_class = connection.io_class
-    slot = dispatcher.stats.slot(io_class, INLINE)
-    latency = dispatcher.stats.latency(io_class, INLINE)
-    counters, cache, stats = verifier.counters, device.cache, dispatcher.stats
-    rows_of: dict[int, tuple[list[int], list[int], list[int]]] = {}
+    stats = dispatcher.stats
     sample_mask = SAMPLE_EVERY - 1
-
-    def rows() -> tuple[list[int], list[int], list[int]]:
-        mine = rows_of[get_ident()] = (counters.row(), cache.row(), stats.row())
-        return mine
 
     def fast(buf, offset: int):
         size = len(buf)

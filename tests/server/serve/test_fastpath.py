@@ -88,6 +88,22 @@ def counted(dev: Device) -> dict:
     return {"classes": classes, "totals": stats["totals"], "status": stats["status"]}
 
 
+def compare_paths(devices: list[Device], damaged, mode: str, seed: int) -> list:
+    """The same requests to a connection of each device (fast, general): the same
+    answers, and the expected bytes under eio. The fast path's own answers are returned:
+    it must take some, or it is untested."""
+    conns = [Connection(d) for d in devices]
+    answered = []
+    bound = conns[0].fast
+    conns[0].fast = lambda buf, offset: answered.append(bound(buf, offset)) or answered[-1]
+    for offset, length in requests(seed, damaged.size):
+        fast, general = (outcome(c, offset, length) for c in conns)
+        assert fast == general, (offset, length)
+        if isinstance(fast, bytes) and mode == "eio":
+            assert fast == damaged.expected(offset, length)
+    return answered
+
+
 @pytest.mark.parametrize("mode", ["eio", "ignore-corruption"])
 def test_fast_and_general_paths_give_the_same_answers_and_counts(damaged, monkeypatch,
                                                                    mode):
@@ -95,15 +111,7 @@ def test_fast_and_general_paths_give_the_same_answers_and_counts(damaged, monkey
                for path in ("fast", "general")]
     try:
         assert [d.fast_path for d in devices] == [True, False]
-        conns = [Connection(d) for d in devices]
-        answered = []  # the fast path's own answers: it must take some, or it is untested
-        bound = conns[0].fast
-        conns[0].fast = lambda buf, offset: answered.append(bound(buf, offset)) or answered[-1]
-        for offset, length in requests(1, damaged.size):
-            fast, general = (outcome(c, offset, length) for c in conns)
-            assert fast == general, (offset, length)
-            if isinstance(fast, bytes) and mode == "eio":
-                assert fast == damaged.expected(offset, length)
+        answered = compare_paths(devices, damaged, mode, 1)
         assert any(answered), "the fast path answered no request"
         assert counted(devices[0]) == counted(devices[1])
         assert devices[0].stats()["fast_path"] and not devices[1].stats()["fast_path"]
@@ -299,15 +307,7 @@ def test_over_nbd_both_paths_give_the_same_answers_and_counts(damaged, monkeypat
                              error_mode=mode) for path in ("fast", "general")]
     try:
         assert [d.fast_path for d in devices] == [True, False]
-        conns = [Connection(d) for d in devices]
-        answered = []
-        bound = conns[0].fast
-        conns[0].fast = lambda buf, offset: answered.append(bound(buf, offset)) or answered[-1]
-        for offset, length in requests(3, damaged.size):
-            fast, general = (outcome(c, offset, length) for c in conns)
-            assert fast == general, (offset, length)
-            if isinstance(fast, bytes) and mode == "eio":
-                assert fast == damaged.expected(offset, length)
+        answered = compare_paths(devices, damaged, mode, 3)
         assert answered.count(True) > 50, "the fast path answered too few requests"
         fast, general = (counted(d) for d in devices)
         assert fast == general, {k: (v, general["totals"][k])
