@@ -10,7 +10,10 @@ Sources:
 - `delay D`: data and hash images behind nbdkit `file` upstreams under nbdkit's `delay`
   filter (`rdelay=D`: every read waits D), on Unix sockets: a network disk or an object
   store; beside the verified rows, the same reads relayed by nbdkit's own `nbd` plugin
-  (C, verifying nothing): what one more NBD hop costs by itself;
+  (C, verifying nothing): what one more NBD hop costs by itself; and by bench/
+  passthrough.py (nbdkit's Python plugin, parallel model, one libnbd connection per
+  thread, each read polled for on its request's thread, verifying nothing): what any
+  Python plugin relaying those reads gets here;
 - `http D`: the same files from an HTTP server whose every GET waits D
   (bench/httpdelay.py); unverified = nbdkit's curl plugin on the data URL;
 - `disk`: the machine's own disk, uncached (root: the page cache is dropped before each
@@ -85,11 +88,14 @@ def measure_delay(image: images.Image, delay: str, rounds: int, runtime: float,
         for rw, bs, qd in WORKLOADS:
             job = Job(rw, bs, 1, qd, runtime)
             runs: dict[str, list] = {model: [] for model in models}
-            relayed = []
+            relayed, python = [], []
             for _ in range(rounds):
                 unverified = fiorun.run(data.uri(), job, image.size).mb_s
                 with servers.Server("relay", "nbd", [f"socket={data.socket}"]) as relay:
                     relayed.append((unverified, fiorun.run(relay.uri(), job, image.size).mb_s))
+                with servers.Server("Python relay", "passthrough",
+                                    [f"uri={data.uri()}", "keep-thread-state=yes"]) as relay:
+                    python.append((unverified, fiorun.run(relay.uri(), job, image.size).mb_s))
                 for model in models:
                     options = [] if model == "default" else ["--thread-model", model]
                     with servers.verity_server("verified", served, options) as server:
@@ -102,6 +108,8 @@ def measure_delay(image: images.Image, delay: str, rounds: int, runtime: float,
                                                      else f", --thread-model {model}")
                 rows.append(summary(source, label(rw, bs, qd), runs[model]))
             rows.append(summary(f"NBD, {delay} per read: {RELAY}", label(rw, bs, qd), relayed))
+            rows.append(summary(f"NBD, {delay} per read: {PYTHON_RELAY}", label(rw, bs, qd),
+                                python))
     return rows
 
 
@@ -109,6 +117,7 @@ DISK_MODELS = (("local disk, uncached", []),
                ("local disk, uncached, --thread-model parallel",
                 ["--thread-model", "parallel"]))
 RELAY = "relayed by nbdkit's nbd plugin (C, nothing verified)"
+PYTHON_RELAY = "relayed by a Python plugin (bench/passthrough.py, nothing verified), parallel"
 PASSTHROUGH = "local disk, uncached: Python pass-through (nothing verified), parallel"
 
 
