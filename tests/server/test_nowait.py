@@ -1,6 +1,8 @@
 """read_verify asks a file system for RWF_NOWAIT once: one that refuses it (a FUSE file,
 here nbdfuse over nbdkit's file plugin) is not asked again by that hasher, and a file
-that takes it is asked on every short read. The preadv2 calls are counted by strace."""
+that takes it is asked on every short read whose pages are cached. A file whose pages
+are not cached (NOWAIT_MISSES short answers in a row) is read for the next NOWAIT_SKIP
+short reads without asking, then asked again. The preadv2 calls are counted by strace."""
 
 from __future__ import annotations
 
@@ -20,26 +22,35 @@ from nbd_verity.format import _native
 from .upstreams import NbdkitFile
 
 READS = 50
+NOWAIT_MISSES, NOWAIT_SKIP = 4, 64  # _native.c's
 SCRIPT = """
 import os, sys
 from nbd_verity.format.digest import Digester
-path = sys.argv[1]
+path, evict = sys.argv[1], sys.argv[2] == "evict"
 d = Digester("sha256", b"salt", 1)
 fd = os.open(path, os.O_RDONLY)
-block = os.pread(fd, 4096, 0)
-want = d.digest(block)
 buf = bytearray(4096)
-for _ in range({reads}):
-    assert d.native.read_verify(fd, buf, 0, 4096, want) == -1
+for i in range({reads}):
+    at = (i % 256) * 4096
+    want = d.digest(os.pread(fd, 4096, at))
+    if evict:  # the block's pages leave the page cache: read_verify must go to the disk
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    assert d.native.read_verify(fd, buf, at, 4096, want) == -1
+if evict:  # a block read from the disk that does not match: its index, as from the cache
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    assert d.native.read_verify(fd, buf, 4096, 4096, d.digest(bytes(4096))) == 0
 print(d.native.nowait_refused)
 """
 
 
-def preadv2_calls(path: Path, tmp_path: Path) -> tuple[int, str]:
-    """(preadv2 calls of READS short read_verify calls on path, nowait_refused)."""
+def preadv2_calls(path: Path, tmp_path: Path, reads: int = READS,
+                  evict: bool = False) -> tuple[int, str]:
+    """(preadv2 calls of `reads` short read_verify calls on path, each of a block cached
+    just before or, with evict, evicted just before; nowait_refused)."""
     trace = tmp_path / "trace"
     run = subprocess.run(["strace", "-f", "-e", "trace=preadv2", "-o", str(trace),
-                          sys.executable, "-c", SCRIPT.format(reads=READS), str(path)],
+                          sys.executable, "-c", SCRIPT.format(reads=reads), str(path),
+                          "evict" if evict else "keep"],
                          capture_output=True, text=True, timeout=120, check=False)
     assert run.returncode == 0, run.stderr
     return trace.read_text().count("preadv2("), run.stdout.strip()
@@ -92,3 +103,21 @@ def test_a_file_system_that_refuses_nowait_is_asked_once(tmp_path, sockdir, disk
     finally:
         upstream.stop()
     assert (calls, refused) == (1, "1")
+
+
+@pytest.mark.skipif(_native is None, reason="the native engine is not built")
+def test_a_file_not_in_the_page_cache_is_read_without_asking_then_asked_again(tmp_path,
+                                                                              disk_dir):
+    data = disk_dir / "data.img"
+    data.write_bytes(os.urandom(1 << 20))
+    os.sync()  # written back: clean pages, which POSIX_FADV_DONTNEED evicts
+    calls, refused = preadv2_calls(data, tmp_path)
+    if refused == "1":
+        pytest.skip("this file system refuses RWF_NOWAIT")
+    assert calls == READS  # cached: asked every time
+    # Two rounds of NOWAIT_MISSES asks, each followed by NOWAIT_SKIP reads that do not
+    # ask, then the script's read of a block that does not match, which asks again
+    # (and gets the block's index, as from the page cache); every read verified.
+    reads = 2 * (NOWAIT_MISSES + NOWAIT_SKIP)
+    calls, _ = preadv2_calls(data, tmp_path, reads, evict=True)
+    assert calls == 2 * NOWAIT_MISSES + 1
