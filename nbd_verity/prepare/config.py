@@ -17,7 +17,7 @@ from ..format.digest import parse_salt
 from ..format.roothash import root_hash_text
 from ..logbound import DEFAULT_LOG_RATE
 from ..read.cache import DEFAULT_CACHE_SIZE
-from ..read.counters import EIO, MODES
+from ..read.counters import EIO, MODES, PREFETCH_CLUSTER
 
 READAHEAD_MIN_SIZE = 128 << 10  # a request this large triggers Merkle readahead
 # nbdkit thread models by name. AUTO is the default: PARALLEL (a connection's requests
@@ -98,6 +98,7 @@ class ServerConfig:
     cache_size: int = DEFAULT_CACHE_SIZE
     readahead: bool | None = None  # None (auto): on for an NBD hash source, off for a file
     readahead_min_size: int = READAHEAD_MIN_SIZE
+    prefetch_cluster: int = PREFETCH_CLUSTER  # level-0 hash bytes a cold read fetches
     control: str | None = None
     thresholds: dict = field(default_factory=dict)  # class name -> bytes
     threshold_preset: str = "default"
@@ -234,6 +235,7 @@ KEYS = (
     Key("readahead", "readahead", lambda k, v: None if v.strip().lower() == "auto" else
         parse_bool(k, v), "readahead"),
     Key("readahead-min-size", "readahead_min_size", parse_size),
+    Key("prefetch-cluster", "prefetch_cluster", parse_size),
     Key("control", "control", absolute_file, "control"),
     Key("threshold", "thresholds", _threshold, "thresholds"),  # repeatable
     Key("threshold-preset", "threshold_preset", _text, "threshold_preset"),

@@ -60,7 +60,7 @@ class OpenedImage:
             raise ConfigError("check-at-most-once: more than INT_MAX data blocks")
         self.cache = HashBlockCache(self.geo.hash_block_size, config.cache_size)
         options = VerifyOptions(config.mode, config.ignore_zero_blocks,
-                                config.check_at_most_once)
+                                config.check_at_most_once, config.prefetch_cluster)
         self.fec = open_fec(config, self)
         if self.ddi is None:  # a DDI's partitions are placed by its GPT
             check_layout(self.params, config.data, self.hash_path,

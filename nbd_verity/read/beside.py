@@ -29,19 +29,29 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from ..errors import ImageIOError
 from ..sources.latency import Latency
+from .counters import PREFETCH_CLUSTER
 
 WAIT_SLICE_S = 0.25  # a fetch is waited for in slices, after each of which stopping() is asked
 IO_THREADS = 32  # reads in flight at once: 16 requests of a connection, two levels each
+
+
+def cluster_blocks(cluster_bytes: int, data_block_size: int) -> int:
+    """Level-0 blocks per prefetch cluster, as dm-verity computes them (verity_prefetch_io):
+    the bytes over the DATA block size (the kernel's quirk: they are hash blocks), rounded
+    down to a power of two; 0 or 1: no widening."""
+    cluster = cluster_bytes // data_block_size
+    return 1 << (cluster.bit_length() - 1) if cluster > 1 else cluster
 
 
 class Beside:
     """Decides whether a request's hash blocks are fetched beside its data, and starts
     their reads (one verifier's)."""
 
-    def __init__(self, verifier) -> None:
+    def __init__(self, verifier, cluster_bytes: int = PREFETCH_CLUSTER) -> None:
         self.verifier = verifier
         self.latency = Latency()  # of the hash source: the verifier's reads and the fetches'
         self._io: ThreadPoolExecutor | None = None  # started at the first fetch (after fork)
+        self.cluster = cluster_blocks(cluster_bytes, verifier.geo.data_block_size)
 
     def start(self, first: int, count: int) -> Fetch | None:
         """A Fetch of data blocks first..first+count-1's missing hash blocks, started; None
@@ -52,6 +62,11 @@ class Beside:
         if not self.latency.slow() or geo.levels == 0:
             return None
         lo, hi = geo.parent_slot(first)[0], geo.parent_slot(first + count - 1)[0]
+        if verifier.uncached(0, lo, hi)[0] > hi:
+            return None  # the request's own leaves are cached
+        cluster = self.cluster
+        if cluster > 1:  # dm-verity's level-0 prefetch cluster, aligned both ways
+            lo, hi = lo & -cluster, min(hi | (cluster - 1), geo.level_blocks[0] - 1)
         runs = []  # (level, lo, hi): each level's missing blocks, from level 0 up
         for level in range(geo.levels):
             lo, hi = verifier.uncached(level, lo, hi)

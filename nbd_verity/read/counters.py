@@ -14,15 +14,18 @@ from .tally import Tally
 EIO, IGNORE_CORRUPTION, RESTART_ON_CORRUPTION = "eio", "ignore-corruption", "restart-on-corruption"
 MODES = (EIO, IGNORE_CORRUPTION, RESTART_ON_CORRUPTION)
 MAX_LOGGED_ERRORS = 100  # the kernel's DM_VERITY_MAX_CORRUPTED_ERRS
+PREFETCH_CLUSTER = 256 << 10  # bytes: the kernel's dm_verity.prefetch_cluster default
 
 
 @dataclass(frozen=True)
 class VerifyOptions:
-    """dm-verity's optional behaviours (the kernel's table arguments; docs/server.md)."""
+    """dm-verity's optional behaviours (the kernel's table arguments; docs/server.md), and
+    its module parameter prefetch_cluster (read/beside.py)."""
 
     mode: str = EIO
     ignore_zero_blocks: bool = False
     check_at_most_once: bool = False
+    prefetch_cluster: int = PREFETCH_CLUSTER
 
 
 class Counters:

@@ -72,7 +72,8 @@ class Verifier(FecRepairs):
         # (read_idle), verified with the same native call as verify_blocks' runs.
         self.fast_reads = (getattr(data, "read_idle", None) if self._hasher is not None
                            else None)
-        self.beside = Beside(self)  # a cold request's hash blocks read beside its data
+        # a cold request's hash blocks read beside its data
+        self.beside = Beside(self, options.prefetch_cluster)
 
     # -- start-up ---------------------------------------------------------------------
 

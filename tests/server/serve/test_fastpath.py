@@ -321,12 +321,13 @@ def test_over_nbd_the_fast_path_takes_only_a_random_read_under_a_cached_leaf(
         default_image, monkeypatch, sockdir, upstreams):
     """Not a stream's next request (the general path reads it ahead), not one as large as
     readahead-min-size; a leaf not cached is read beside the data (the hash upstream is
-    slow), and cached."""
+    slow), and cached. (A prefetch cluster of one leaf: the default one would fetch the
+    image's 8 leaves with the first.)"""
     data = NbdkitFile(default_image.data, sockdir, "fp-data").start()
     hashes = slow_hashes(default_image, sockdir)
     upstreams += [data, hashes]
     dev = remote_device(default_image, monkeypatch, "fast", data.uri, hashes.uri,
-                        readahead_min_size="64K")
+                        readahead_min_size="64K", prefetch_cluster=4096)
     try:
         conn = Connection(dev)
         read_general(conn, memoryview(bytearray(4096)), 0)  # leaf 0 cached
@@ -394,3 +395,37 @@ def test_over_nbd_a_read_the_upstream_fails_fails_alike_on_both_paths(
     finally:
         for d in devices:
             d.close()
+
+
+@pytest.mark.parametrize("path", ["fast", "general"])
+def test_a_cold_read_fetches_its_leafs_aligned_prefetch_cluster_beside_its_data(
+        default_image, monkeypatch, sockdir, upstreams, path):
+    """dm-verity's level-0 prefetch cluster (prefetch-cluster=16K: 4 leaves at 4 KiB data
+    blocks): a random read under a leaf not cached fetches the leaves of its aligned
+    cluster in one read beside its data, each verified before it is cached; the next
+    read in that cluster needs no hash read, one in the next cluster fetches that one."""
+    data = NbdkitFile(default_image.data, sockdir, "fp-data").start()
+    hashes = slow_hashes(default_image, sockdir)
+    upstreams += [data, hashes]
+    dev = remote_device(default_image, monkeypatch, path, data.uri, hashes.uri,
+                        prefetch_cluster="16K")
+    leaf0 = dev.geo.level_start[0]
+    try:
+        conn = Connection(dev)
+
+        def read(offset: int) -> tuple[int, int]:
+            buf = bytearray(4096)
+            if conn.fast(buf, offset) is not True:
+                read_general(conn, memoryview(buf), offset)
+            assert buf == default_image.expected(offset, 4096)
+            totals = dev.stats()["totals"]
+            return totals["hash_reads"], totals["hash_blocks_read"]
+
+        before = dev.stats()["totals"]["hash_reads"]  # the root's, at start-up
+        assert read(LEAF_SPAN * 5 + 8192) == (before + 1, before + 4)  # leaves 4-7
+        assert [dev.cache.contains(leaf0 + i) for i in range(8)] == [False] * 4 + [True] * 4
+        assert read(LEAF_SPAN * 7 + 4096) == (before + 1, before + 4)  # cached: no read
+        assert read(LEAF_SPAN * 1) == (before + 2, before + 8)  # leaves 0-3
+        assert all(dev.cache.contains(leaf0 + i) for i in range(8))
+    finally:
+        dev.close()
