@@ -20,7 +20,8 @@ Sources:
   run, `echo 3 > /proc/sys/vm/drop_caches`); unverified = nbdkit's C `file` plugin, 4 KiB
   random reads at QD1 and QD16 (a 2 GiB image); beside the verified rows, bench/
   passthrough.py (nbdkit's Python plugin reading the file, verifying nothing, parallel
-  model) against the same baseline: what any Python plugin gets from that disk here.
+  model, each nbdkit thread's Python thread state kept as serve keeps it) against the same
+  baseline: what any Python plugin gets from that disk here.
 
     .venv/bin/python bench/storage.py [--rounds 3] [--runtime 4] [--delays 1ms,10ms]
         [--disk] [--http 10ms] [--thread-models default,serialize-requests]
@@ -118,7 +119,8 @@ DISK_MODELS = (("local disk, uncached", []),
                 ["--thread-model", "parallel"]))
 RELAY = "relayed by nbdkit's nbd plugin (C, nothing verified)"
 PYTHON_RELAY = "relayed by a Python plugin (bench/passthrough.py, nothing verified), parallel"
-PASSTHROUGH = "local disk, uncached: Python pass-through (nothing verified), parallel"
+PASSTHROUGH = ("local disk, uncached: Python pass-through (nothing verified, thread states "
+               "kept), parallel")
 
 
 class DelayedHttp:
@@ -190,7 +192,8 @@ def measure_disk(rounds: int, runtime: float) -> list[dict]:
                 runs[name].append((unverified, verified))
                 say(f"{name}: {label(rw, bs, qd)}: {unverified:.1f} / {verified:.1f}")
             drop_caches()
-            with servers.passthrough_server(image.data) as plain_python:
+            with servers.passthrough_server(image.data,
+                                            keys=("keep-thread-state=yes",)) as plain_python:
                 python = fiorun.run(plain_python.uri(), job, image.size).mb_s
             runs[PASSTHROUGH].append((unverified, python))
             say(f"{PASSTHROUGH}: {label(rw, bs, qd)}: {unverified:.1f} / {python:.1f}")
