@@ -429,3 +429,30 @@ def test_a_cold_read_fetches_its_leafs_aligned_prefetch_cluster_beside_its_data(
         assert all(dev.cache.contains(leaf0 + i) for i in range(8))
     finally:
         dev.close()
+
+
+def test_a_cold_read_fetches_its_leaf_alone_when_the_cache_has_no_room_for_a_cluster(
+        default_image, monkeypatch, sockdir, upstreams):
+    """A cache of 5 blocks holds the root and one cluster of 4 leaves: the next cold read
+    fetches its own leaf only (a full cache would evict a cluster's worth of blocks for
+    each one a random reader needs)."""
+    data = NbdkitFile(default_image.data, sockdir, "fp-data").start()
+    hashes = slow_hashes(default_image, sockdir)
+    upstreams += [data, hashes]
+    dev = remote_device(default_image, monkeypatch, "general", data.uri, hashes.uri,
+                        prefetch_cluster="16K", cache_size="20K")
+    try:
+        conn = Connection(dev)
+
+        def read(offset: int) -> int:
+            buf = bytearray(4096)
+            read_general(conn, memoryview(buf), offset)
+            assert buf == default_image.expected(offset, 4096)
+            return dev.stats()["totals"]["hash_blocks_read"]
+
+        before = dev.stats()["totals"]["hash_blocks_read"]  # the root's
+        assert dev.cache.capacity == 5
+        assert read(LEAF_SPAN * 5) == before + 4  # the root and leaves 4-7: full
+        assert read(LEAF_SPAN * 1) == before + 5  # leaf 1 alone
+    finally:
+        dev.close()
