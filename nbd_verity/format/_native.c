@@ -42,10 +42,9 @@
  * a row came back short) is read for its next NOWAIT_SKIP short reads with the GIL
  * released at once, without asking: a read that misses starts the disk's I/O inside the
  * syscall, GIL held, and every other request waits for it. Measured with 4 KiB random
- * reads from one connection at QD16 on an uncached disk (bench/storage.py --disk, 2
- * cores): a Python plugin that asks first gets 0.45-0.51 of nbdkit's C file plugin, one
- * that does not 0.67-0.74. Then it asks again: a page-cached workload keeps its reads
- * under the GIL. */
+ * reads from one connection at QD16 on an uncached disk (2 cores): bench/passthrough.py
+ * with such a first read added gets 0.45-0.51 of nbdkit's C file plugin, as it is
+ * 0.67-0.74. Then it asks again: a page-cached workload keeps its reads under the GIL. */
 #define NOWAIT_MISSES 4
 #define NOWAIT_SKIP 64
 

@@ -95,10 +95,8 @@ class Beside:
             return Fetch(self, reads) if reads else None
         if self._io is None:
             self._io = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="hash-fetch")
-        # Each run's buffer is made here, on the request's thread, and read into there: an
-        # I/O thread that allocated a cluster's 256 KiB itself would leave it in a malloc
-        # arena of its own (the memory bound, docs/server.md: a 64 GiB image read at
-        # random by 8 connections peaked at 77 MiB so, 57 with one arena).
+        # Each run's buffer is made here, on the request's thread, and read into on an I/O
+        # thread: no copy, and no allocation there (its malloc arena would keep it).
         hbs = geo.hash_block_size
         return Fetch(self, [(run, self._io.submit(self._read, *run,
                                                   bytearray((run[2] - run[1] + 1) * hbs)))
@@ -159,7 +157,8 @@ class Fetch:
                     pass  # the request's own read reports it (or FEC rebuilds it)
                 break
         blocks = reads = 0
-        for (level, lo, hi), data in reversed(fetched):  # the top first: parents before
+        for (level, lo, hi), run in reversed(fetched):  # the top first: parents before
+            data = memoryview(run)  # each block cached is one copy of its bytes
             reads += 1
             blocks += hi - lo + 1
             start = geo.level_start[level]
@@ -177,6 +176,6 @@ class Fetch:
                     want = d.stored(parent, slot)
                 if d.stored(slots, (index - lo) * d.slot_size) == want:
                     cache.put(start + index, level,
-                              data[(index - lo) * hbs:(index - lo + 1) * hbs])
+                              bytes(data[(index - lo) * hbs:(index - lo + 1) * hbs]))
         if reads:
             verifier.counters.add(hash_reads=reads, hash_blocks_read=blocks)
