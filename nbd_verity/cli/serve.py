@@ -66,7 +66,8 @@ from .common import edge, fec_options, image_arguments, s3_options
 @click.option("--thread-model", default=None,
               type=click.Choice(THREAD_MODELS),
               help="nbdkit thread model (default auto: parallel for an image read over "
-                   "a network on nbdkit 1.34 or newer, else serialize-requests).")
+                   "a network or a local one not in the page cache at start-up, on "
+                   "nbdkit 1.34 or newer; else serialize-requests).")
 @click.option("--log-rate", type=click.IntRange(0), default=None, metavar="LINES",
               help="Log lines a minute before a summary (default 120; 0: no limit).")
 @click.option("--source-timeout", type=click.FloatRange(0, 86400, min_open=True),

@@ -21,7 +21,8 @@ from ..read.counters import EIO, MODES, PREFETCH_CLUSTER
 
 READAHEAD_MIN_SIZE = 128 << 10  # a request this large triggers Merkle readahead
 # nbdkit thread models by name. AUTO is the default: PARALLEL (a connection's requests
-# served together) where the image is read over a network and nbdkit has neither the
+# served together) where the image's reads wait (read over a network, or a local image
+# mostly not in the page cache at start-up: sources/resident.py) and nbdkit has neither the
 # disconnect race nor a lack of nbdkit.disconnect, SERIALIZE_REQUESTS otherwise (requests
 # of one connection in order, connections in parallel, multi-conn advertised). PARALLEL
 # can be aborted by a client on nbdkit 1.32.4-1.33.9 (nbd_verity/serve/nbdkit_compat.py).

@@ -16,9 +16,10 @@ whatever that declines to the general path, Dispatcher.read (schedule/dispatch.p
 A failed request is raised by nbdkit_compat.FailureRaiser, outside any `except` block, so
 that nbdkit 1.32's leak of every failed callback's exception costs nothing (see there);
 requests above the advertised maximum fail with EINVAL before any work. The thread model
-is configured, or settled by thread_model() (auto: parallel for an image read over a
-network where nbdkit has no disconnect race, nbdkit_compat; otherwise serialize-requests,
-and for a network image a start-up line that says how to get more in flight).
+is configured, or settled by thread_model() (auto: parallel for an image whose reads wait,
+read over a network or a local one mostly not in the page cache (sources/resident.py),
+where nbdkit has no disconnect race, nbdkit_compat; otherwise serialize-requests, and for
+an image that waits a start-up line that says how to get more in flight).
 """
 
 import ctypes
@@ -45,6 +46,7 @@ from nbd_verity.prepare.config import (
 from nbd_verity.read.counters import RESTART_ON_CORRUPTION
 from nbd_verity.schedule import gate
 from nbd_verity.serve import device, nbdkit_compat, threadstate
+from nbd_verity.sources import resident
 
 API_VERSION = 2
 __all__ = ["API_VERSION", "after_fork", "block_size", "cache", "can_cache", "can_multi_conn",
@@ -188,10 +190,13 @@ _THREAD_MODELS = {
 
 def thread_model():
     name = _config.effective_thread_model
+    waits = _config.waits or _cold_local_image(name)
     if name == AUTO:
-        name = nbdkit_compat.auto_thread_model(_config.waits, nbdkit_compat.nbdkit_version(),
+        name = nbdkit_compat.auto_thread_model(waits, nbdkit_compat.nbdkit_version(),
                                                hasattr(nbdkit, "disconnect"))
-    elif name == SERIALIZE_REQUESTS and _config.waits:
+        if name == PARALLEL:
+            log("thread-model parallel: a connection's requests reach the image together")
+    elif name == SERIALIZE_REQUESTS and waits:
         nbdkit_compat.say_one_at_a_time(nbdkit_compat.nbdkit_version())
     if name == PARALLEL:
         version = nbdkit_compat.nbdkit_version()
@@ -200,6 +205,20 @@ def thread_model():
                 f"when a client disconnects with requests in flight (fixed in nbdkit 1.34.0):"
                 f" any client can stop this server")
     return _THREAD_MODELS[name]
+
+
+def _cold_local_image(name: str) -> bool:
+    """Whether a local data image waits on its disk: most of it is not in the page cache
+    now (sources/resident.py), said in one line. Asked only where it can change the thread
+    model (auto or serialize-requests) and for one image (an export directory's images come
+    and go after the model is fixed)."""
+    if name not in (AUTO, SERIALIZE_REQUESTS) or _config.exports is not None:
+        return False
+    cold, share = resident.cold(_config.data)
+    if cold:
+        log(f"the data image is not in the page cache ({share:.0%} of {resident.SAMPLES} "
+            f"pages sampled): its reads wait on the disk")
+    return cold
 
 
 def config(key, value):

@@ -81,10 +81,11 @@ def leaks_failures(version: tuple[int, int, int] | None) -> bool | None:
 
 def auto_thread_model(waits: bool, version, can_hang_up: bool) -> str:
     """thread-model=auto: a connection's requests served together (PARALLEL) where the
-    image is read over a network, this nbdkit has no disconnect race, and a read that the
+    image's reads wait (waits: read over a network, or a local image mostly not in the
+    page cache), this nbdkit has no disconnect race, and a read that the
     server's stop ends can shut its connection (can_hang_up: nbdkit.disconnect; without it
     a parallel server waits on SIGTERM for every client to hang up); SERIALIZE_REQUESTS
-    otherwise, and for a network image a start-up line that says how to get more in
+    otherwise, and for an image that waits a start-up line that says how to get more in
     flight (docs/server.md, "Storage with latency")."""
     if waits and not has_send_race(version) and can_hang_up:
         return PARALLEL
@@ -94,7 +95,7 @@ def auto_thread_model(waits: bool, version, can_hang_up: bool) -> str:
 
 
 def say_one_at_a_time(version) -> None:
-    """The start-up line of a network image served in serialize-requests: a client's
+    """The start-up line of an image that waits, served in serialize-requests: a client's
     requests on one connection reach the storage one at a time, and how to get more in
     flight (docs/server.md, "Storage with latency")."""
     risk = (f"; on nbdkit {version_text(version)} a client can abort its parallel model"

@@ -6,20 +6,18 @@ short reads without asking, then asked again. The preadv2 calls are counted by s
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
 
 from nbd_verity.format import _native
 
-from .upstreams import NbdkitFile
+from .upstreams import NbdkitFile, fuse_file
 
 READS = 50
 NOWAIT_MISSES, NOWAIT_SKIP = 4, 64  # _native.c's
@@ -54,29 +52,6 @@ def preadv2_calls(path: Path, tmp_path: Path, reads: int = READS,
                          capture_output=True, text=True, timeout=120, check=False)
     assert run.returncode == 0, run.stderr
     return trace.read_text().count("preadv2("), run.stdout.strip()
-
-
-@contextlib.contextmanager
-def fuse_file(socket_path: str, directory: Path):
-    """The NBD export at socket_path as the FUSE file directory/nbd (nbdfuse)."""
-    directory.mkdir()
-    fuse = subprocess.Popen(["nbdfuse", "-r", str(directory), "--unix", socket_path],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 20
-        while not (directory / "nbd").exists():
-            assert fuse.poll() is None, "nbdfuse exited"
-            assert time.monotonic() < deadline, "nbdfuse did not mount"
-            time.sleep(0.05)
-        yield directory / "nbd"
-    finally:
-        subprocess.run(["fusermount3", "-u", str(directory)], check=False,
-                       stderr=subprocess.DEVNULL, timeout=60)
-        try:
-            fuse.wait(10)
-        except subprocess.TimeoutExpired:
-            fuse.kill()
-            fuse.wait()
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """Real upstream servers for the remote-source tests: lighttpd serving image files over
-HTTP on 127.0.0.1, moto's S3 server on 127.0.0.1, and plain nbdkit `file` servers
-(optionally behind nbdkit filters).
+HTTP on 127.0.0.1, moto's S3 server on 127.0.0.1, plain nbdkit `file` servers
+(optionally behind nbdkit filters), and an NBD export as a local file (nbdfuse).
 
 Each is a process started in the foreground with a private configuration in the test's
 temporary directory, awaited by a check of the server itself (its pid file, its socket
@@ -9,14 +9,17 @@ or TCP port accepting) and stopped by its pid (nbd_verity.launch.Launched).
 
 from __future__ import annotations
 
+import contextlib
 import os
+import subprocess
+import time
 from pathlib import Path
 
 from nbd_verity.demo.remote import Lighttpd, MotoS3, free_port
 from nbd_verity.launch import NBDKIT, Launched
 
-__all__ = ["GuardedLighttpd", "Lighttpd", "MotoS3", "NbdkitFile"]  # the demo's lighttpd
-# and moto as they are, and that lighttpd behind a password and a token
+# the demo's lighttpd and moto as they are, and that lighttpd behind a password and a token
+__all__ = ["GuardedLighttpd", "Lighttpd", "MotoS3", "NbdkitFile", "fuse_file"]
 
 
 class GuardedLighttpd(Lighttpd):
@@ -70,3 +73,25 @@ class NbdkitFile(Launched):
             return f"nbd://127.0.0.1:{self.port}/"
         return f"nbd+unix:///?socket={self.sock}"
 
+
+@contextlib.contextmanager
+def fuse_file(socket_path: str, directory: Path):
+    """The NBD export at socket_path as the FUSE file directory/nbd (nbdfuse)."""
+    directory.mkdir()
+    fuse = subprocess.Popen(["nbdfuse", "-r", str(directory), "--unix", socket_path],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 20
+        while not (directory / "nbd").exists():
+            assert fuse.poll() is None, "nbdfuse exited"
+            assert time.monotonic() < deadline, "nbdfuse did not mount"
+            time.sleep(0.05)
+        yield directory / "nbd"
+    finally:
+        subprocess.run(["fusermount3", "-u", str(directory)], check=False,
+                       stderr=subprocess.DEVNULL, timeout=60)
+        try:
+            fuse.wait(10)
+        except subprocess.TimeoutExpired:
+            fuse.kill()
+            fuse.wait()

@@ -30,7 +30,7 @@ from ..serverlib import (
     make_image,
     random_bytes,
 )
-from ..upstreams import NbdkitFile
+from ..upstreams import NbdkitFile, fuse_file
 
 DELAY = "150ms"  # every upstream read waits this long: far over sources/latency.SLOW_S
 READ = re.compile(r"^(\S+ \S+) (connection=\d+) (\.\.\.)?Read id=(\d+)"
@@ -200,6 +200,52 @@ def test_requests_in_flight_on_one_connection_reach_the_upstream_as_the_model_sa
         server.stop()
         for upstream in upstreams[-2:]:
             upstream.stop()
+
+
+def send_at_once(h, offsets: list[int], size: int = 4096) -> list:
+    """offsets read at once on one connection; their buffers once all are answered."""
+    buffers = [nbd.Buffer(size) for _ in offsets]
+    for buf, offset in zip(buffers, offsets, strict=True):
+        h.aio_pread(buf, offset)
+    deadline = time.monotonic() + 60
+    while h.aio_in_flight() and time.monotonic() < deadline:
+        h.poll(1000)
+    assert not h.aio_in_flight()
+    return buffers
+
+
+def test_a_local_image_not_in_the_page_cache_has_a_connections_requests_served_together(
+        image, sockdir, tmp_path, servers, upstreams):
+    """A local data image most of whose pages are not in the page cache waits on its disk,
+    as a network image does: by default (no thread-model given) a connection's K reads
+    reach the disk together where nbdkit allows it (1.34 on), and one at a time on 1.32,
+    whose start-up says how to get more. The disk here is a FUSE file (nbdfuse) over a
+    delayed, logged upstream, so the reads are counted where they arrive; the same image
+    in the page cache is served as before (serialize-requests, nothing said)."""
+    k = 8
+    offsets = [block * 4096 for block in range(10, 10 + 64 * k, 64)]  # apart: no readahead
+    up, up_log = delayed(image.data, sockdir, "disk", tmp_path)
+    upstreams.append(up)
+    with fuse_file(up.sock, tmp_path / "disk") as disk:
+        server = servers.start(replace(image, data=str(disk)))
+        said = server.log_path.read_text()
+        assert "not in the page cache" in said, said
+        buffers = send_at_once(server.connect(), offsets)
+        for buf, offset in zip(buffers, offsets, strict=True):
+            assert buf.to_bytearray() == image.expected(offset, 4096)
+        # the reads of our blocks as they reached the disk (the page cache may widen them)
+        disk_reads = [r for r in reads(up_log) if any(r[0] <= o < r[0] + r[1] for o in offsets)]
+        assert len(disk_reads) == k, disk_reads
+        if has_send_race(nbdkit_version(NBDKIT)):
+            assert most_at_once(disk_reads) == 1
+            assert "reach the image one at a time" in said, said
+        else:
+            assert most_at_once(disk_reads) == k
+            assert "reach the image together" in said, said
+        server.stop()
+    cached = servers.start(image)  # the image as made: its pages are in the page cache
+    said = cached.log_path.read_text()
+    assert "not in the page cache" not in said and "thread-model" not in said, said
 
 
 def test_one_connection_to_an_upstream_without_multi_conn_carries_reads_together(
