@@ -75,10 +75,13 @@ class NbdkitFile(Launched):
 
 
 @contextlib.contextmanager
-def fuse_file(socket_path: str, directory: Path):
-    """The NBD export at socket_path as the FUSE file directory/nbd (nbdfuse)."""
+def fuse_file(socket_path: str, directory: Path, connections: int | None = None):
+    """The NBD export at socket_path as the FUSE file directory/nbd (nbdfuse; with
+    connections, that many to the export: nbdfuse's reads in flight at once are bounded by
+    its connections, 4 by default). Unmounted at the end, lazily if it is still busy."""
     directory.mkdir()
-    fuse = subprocess.Popen(["nbdfuse", "-r", str(directory), "--unix", socket_path],
+    more = ["-C", str(connections)] if connections else []
+    fuse = subprocess.Popen(["nbdfuse", *more, "-r", str(directory), "--unix", socket_path],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 20
@@ -88,8 +91,11 @@ def fuse_file(socket_path: str, directory: Path):
             time.sleep(0.05)
         yield directory / "nbd"
     finally:
-        subprocess.run(["fusermount3", "-u", str(directory)], check=False,
-                       stderr=subprocess.DEVNULL, timeout=60)
+        unmount = subprocess.run(["fusermount3", "-u", str(directory)], check=False,
+                                 stderr=subprocess.DEVNULL, timeout=60)
+        if unmount.returncode and fuse.poll() is None:
+            subprocess.run(["fusermount3", "-u", "-z", str(directory)], check=False,
+                           stderr=subprocess.DEVNULL, timeout=60)
         try:
             fuse.wait(10)
         except subprocess.TimeoutExpired:

@@ -226,7 +226,7 @@ def test_a_local_image_not_in_the_page_cache_has_a_connections_requests_served_t
     offsets = [block * 4096 for block in range(10, 10 + 64 * k, 64)]  # apart: no readahead
     up, up_log = delayed(image.data, sockdir, "disk", tmp_path)
     upstreams.append(up)
-    with fuse_file(up.sock, tmp_path / "disk") as disk:
+    with fuse_file(up.sock, tmp_path / "disk", connections=2 * k) as disk:
         server = servers.start(replace(image, data=str(disk)))
         said = server.log_path.read_text()
         assert "not in the page cache" in said, said
