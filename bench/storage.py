@@ -172,9 +172,11 @@ def measure_http(image: images.Image, delay: str, rounds: int, runtime: float) -
 
 
 def measure_disk(rounds: int, runtime: float) -> list[dict]:
-    """Each workload against the C file plugin, served by default (a local image is
-    served serialize-requests: its page-cached reads are faster so) and in the parallel
-    model, within each round."""
+    """Each workload against the C file plugin, served by default and in the parallel
+    model, within each round. By default an image mostly in the page cache is served
+    serialize-requests (its reads are faster so); this one is not (the caches were just
+    dropped), so auto serves it as a network image: parallel where nbdkit allows it (1.34
+    on), serialize-requests on 1.32."""
     image = images.random_image_named("storage-disk", DISK_SIZE)
     rows = []
     for rw, bs, qd in DISK_WORKLOADS:
