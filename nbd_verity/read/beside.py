@@ -64,13 +64,7 @@ class Beside:
         lo, hi = geo.parent_slot(first)[0], geo.parent_slot(first + count - 1)[0]
         if verifier.uncached(0, lo, hi)[0] > hi:
             return None  # the request's own leaves are cached
-        cluster = self.cluster
-        # dm-verity's level-0 prefetch cluster, aligned both ways, while the cache has room
-        # for it: a full cache would evict a cluster's worth of blocks, each as likely to
-        # be wanted again, for every block a random reader needs (a 64 GiB image read at
-        # random through a 16 MiB cache read 11 times the hash blocks with it)
-        if cluster > 1 and len(verifier.cache) + cluster <= verifier.cache.capacity:
-            lo, hi = lo & -cluster, min(hi | (cluster - 1), geo.level_blocks[0] - 1)
+        lo, hi = self.widen(lo, hi)
         runs = []  # (level, lo, hi): each level's missing blocks, from level 0 up
         for level in range(geo.levels):
             lo, hi = verifier.uncached(level, lo, hi)
@@ -101,6 +95,17 @@ class Beside:
         return Fetch(self, [(run, self._io.submit(self._read, *run,
                                                   bytearray((run[2] - run[1] + 1) * hbs)))
                             for run in runs])
+
+    def widen(self, lo: int, hi: int) -> tuple[int, int]:
+        """Level-0 blocks lo..hi widened to dm-verity's prefetch cluster, aligned both
+        ways, while the cache has room for it; as they were otherwise. A full cache would
+        evict a cluster's worth of blocks, each as likely to be wanted again, for every
+        block a random reader needs (a 64 GiB image read at random through a 16 MiB
+        cache read 11 times the hash blocks with it)."""
+        cluster, verifier = self.cluster, self.verifier
+        if cluster > 1 and len(verifier.cache) + cluster <= verifier.cache.capacity:
+            return lo & -cluster, min(hi | (cluster - 1), verifier.geo.level_blocks[0] - 1)
+        return lo, hi
 
     def _read(self, level: int, lo: int, hi: int, buf: bytearray) -> bytearray:
         geo, hbs = self.verifier.geo, self.verifier.geo.hash_block_size

@@ -95,6 +95,12 @@ class Verifier(FecRepairs):
         data = self.cache.get(block)
         if data is not None:
             return data
+        if level == 0 and not strict:  # a missing leaf comes with its prefetch cluster
+            lo, hi = self.beside.widen(index, index)
+            if lo < hi and self.prefetch_leaves(lo, hi, readahead=False):
+                data = self.cache.get(block)
+                if data is not None:
+                    return data
         hbs = self.geo.hash_block_size
         unreadable = None
         try:
@@ -149,11 +155,12 @@ class Verifier(FecRepairs):
             hi -= 1
         return lo, hi
 
-    def prefetch_leaves(self, lo: int, hi: int) -> int:
+    def prefetch_leaves(self, lo: int, hi: int, readahead: bool = True) -> int:
         """Read level-0 blocks lo..hi (clipped to the tree) in one read, verify each
         against its parent and cache it; cached ends are not read again. Returns how
         many were added. A failed read adds none: readahead is a hint, and the read
-        that needs a block reports the problem."""
+        that needs a block reports the problem. readahead: counted as Merkle readahead
+        (False: a missing leaf's prefetch cluster, _hash_block)."""
         geo = self.geo
         if geo.levels == 0:
             return 0
@@ -166,7 +173,8 @@ class Verifier(FecRepairs):
             run = self.hashes.read((hi - lo + 1) * hbs, (start + lo) * hbs)
         except ImageIOError:
             return 0
-        self.counters.add(hash_reads=1, hash_blocks_read=hi - lo + 1, readaheads=1)
+        self.counters.add(hash_reads=1, hash_blocks_read=hi - lo + 1,
+                          readaheads=int(readahead))
         added = 0
         # One call hashes the whole run (the native engine pairs blocks on SHA-NI).
         slots, slot_size = self.digester.slots_of(run, hbs), self.digester.slot_size

@@ -121,7 +121,7 @@ def test_fast_and_general_paths_give_the_same_answers_and_counts(damaged, monkey
 
 
 def test_the_fast_path_answers_only_the_common_request(default_image, monkeypatch):
-    dev = device(default_image, monkeypatch)
+    dev = device(default_image, monkeypatch, prefetch_cluster=4096)  # one leaf per cold read
     try:
         conn = Connection(dev)
         buf = bytearray(4096)
@@ -427,6 +427,45 @@ def test_a_cold_read_fetches_its_leafs_aligned_prefetch_cluster_beside_its_data(
         assert read(LEAF_SPAN * 7 + 4096) == (before + 1, before + 4)  # cached: no read
         assert read(LEAF_SPAN * 1) == (before + 2, before + 8)  # leaves 0-3
         assert all(dev.cache.contains(leaf0 + i) for i in range(8))
+    finally:
+        dev.close()
+
+
+@pytest.mark.parametrize("path", ["fast", "general"])
+def test_a_local_images_missing_leaf_comes_with_its_prefetch_cluster(default_image,
+                                                                     monkeypatch, tmp_path,
+                                                                     path):
+    """A local hash image (answering fast: nothing is fetched beside the data) reads a
+    missing leaf with its aligned prefetch cluster too, in one read, as dm-verity's
+    prefetch does whatever the device: here leaves 4-7 for a read under leaf 5. Each leaf
+    is verified against its parent before it is cached: a corrupted leaf 6 is left out,
+    and only the reads under it fail, each time (its own read reports it)."""
+    image = default_image.copy(tmp_path)
+    flip_byte(image.hash, image.leaf_offset(6 * LEAF_SPAN // 4096) + 100)
+    dev = device(image, monkeypatch, path, prefetch_cluster="16K")
+    leaf0 = dev.geo.level_start[0]
+    try:
+        conn = Connection(dev)
+
+        def read(offset: int) -> tuple[int, int]:
+            buf = bytearray(4096)
+            if conn.fast(buf, offset) is not True:
+                read_general(conn, memoryview(buf), offset)
+            assert buf == default_image.expected(offset, 4096)
+            totals = dev.stats()["totals"]
+            return totals["hash_reads"], totals["hash_blocks_read"]
+
+        before = dev.stats()["totals"]["hash_reads"]  # the root's, at start-up
+        assert read(LEAF_SPAN * 5 + 8192) == (before + 1, before + 4)  # leaves 4-7
+        assert [dev.cache.contains(leaf0 + i) for i in range(8)] == [False] * 4 + [
+            True, True, False, True]
+        assert read(LEAF_SPAN * 7 + 4096) == (before + 1, before + 4)  # cached: no read
+        for _ in range(2):
+            with pytest.raises(CorruptionError):
+                read_general(conn, memoryview(bytearray(4096)), LEAF_SPAN * 6)
+        assert not dev.cache.contains(leaf0 + 6)
+        assert dev.stats()["totals"]["corruptions"] == 2
+        assert dev.stats()["totals"]["readaheads"] == 0  # a cluster is not readahead
     finally:
         dev.close()
 
