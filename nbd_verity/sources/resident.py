@@ -9,8 +9,8 @@ asks the kernel, with mincore(2) on a read-only shared mapping, which of SAMPLES
 spread evenly over the file are resident; nothing is read, so asking changes nothing.
 A page in a hole of a sparse file (lseek SEEK_DATA) counts as resident: it is read as
 zeros without the disk. A file whose share is under COLD_SHARE is cold. Where the kernel
-cannot be asked (no mapping: an empty file, a device that cannot be mapped), the answer
-is None and the image counts as page-cached, as before this was measured.
+cannot be asked (not a regular file or a block device, an empty file, no mapping), the
+answer is None and the image counts as page-cached, as before this was measured.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import ctypes
 import errno
 import mmap
 import os
+import stat
 
 SAMPLES = 256  # pages asked about, spread evenly over the image
 COLD_SHARE = 0.5  # under this share of resident pages the image waits on its disk
@@ -38,8 +39,11 @@ _MAP_FAILED = ctypes.c_void_p(-1).value
 def resident_share(path: str, samples: int = SAMPLES) -> float | None:
     """The share (0.0 to 1.0) of `samples` pages, spread evenly over the file or block
     device at path, that are in the page cache; None when the kernel cannot say."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:  # a regular file or a block device only: a FIFO is never opened (source.py)
+        mode = os.stat(path).st_mode
+        if not (stat.S_ISREG(mode) or stat.S_ISBLK(mode)):
+            return None
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError:
         return None
     try:

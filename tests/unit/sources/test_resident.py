@@ -70,7 +70,10 @@ def test_a_hole_counts_as_resident(disk_dir):
 def test_no_answer_is_not_cold(disk_dir):
     empty = disk_dir / "empty.img"
     empty.write_bytes(b"")
-    for path in (str(empty), str(disk_dir / "missing.img"), "/dev/null"):
+    fifo = disk_dir / "fifo"
+    os.mkfifo(fifo)  # never opened: no writer would ever come
+    for path in (str(empty), str(disk_dir / "missing.img"), "/dev/null", str(fifo),
+                 str(disk_dir)):
         assert resident.resident_share(path) is None
         assert resident.cold(path) == (False, None)
     assert resident.cold(None) == (False, None)
