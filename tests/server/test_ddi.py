@@ -23,7 +23,7 @@ import pytest
 from ..pki import make_identity
 from .ddiimages import FILES, backup_lba, make_ddi, set_partition_uuid
 from .serverlib import NBD_VERITY, expect_eio, flip_byte, run_refusal
-from .upstreams import Lighttpd, MotoS3, NbdkitFile
+from .upstreams import Lighttpd, MotoS3, NbdkitFile, stop_fuse
 
 
 @pytest.fixture(scope="module")
@@ -305,7 +305,7 @@ def mounted(socket_path: str, directory: Path):
     with contextlib.ExitStack() as undo:
         fuse = subprocess.Popen(["nbdfuse", "-r", str(fuse_dir), "--unix", socket_path],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        undo.callback(_stop_fuse, fuse, fuse_dir)
+        undo.callback(stop_fuse, fuse, fuse_dir)
         deadline = time.monotonic() + 20
         while not (fuse_dir / "nbd").exists():
             assert fuse.poll() is None, "nbdfuse exited"
@@ -319,13 +319,3 @@ def mounted(socket_path: str, directory: Path):
                        check=True, capture_output=True, timeout=60)
         undo.callback(subprocess.run, ["umount", str(mnt)], check=False, timeout=60)
         yield mnt
-
-
-def _stop_fuse(fuse: subprocess.Popen, fuse_dir: Path) -> None:
-    subprocess.run(["fusermount3", "-u", str(fuse_dir)], check=False,
-                   stderr=subprocess.DEVNULL, timeout=60)
-    try:
-        fuse.wait(10)
-    except subprocess.TimeoutExpired:
-        fuse.kill()
-        fuse.wait()

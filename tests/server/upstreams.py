@@ -19,7 +19,7 @@ from nbd_verity.demo.remote import Lighttpd, MotoS3, free_port
 from nbd_verity.launch import NBDKIT, Launched
 
 # the demo's lighttpd and moto as they are, and that lighttpd behind a password and a token
-__all__ = ["GuardedLighttpd", "Lighttpd", "MotoS3", "NbdkitFile", "fuse_file"]
+__all__ = ["GuardedLighttpd", "Lighttpd", "MotoS3", "NbdkitFile", "fuse_file", "stop_fuse"]
 
 
 class GuardedLighttpd(Lighttpd):
@@ -91,13 +91,18 @@ def fuse_file(socket_path: str, directory: Path, connections: int | None = None)
             time.sleep(0.05)
         yield directory / "nbd"
     finally:
-        unmount = subprocess.run(["fusermount3", "-u", str(directory)], check=False,
-                                 stderr=subprocess.DEVNULL, timeout=60)
-        if unmount.returncode and fuse.poll() is None:
-            subprocess.run(["fusermount3", "-u", "-z", str(directory)], check=False,
-                           stderr=subprocess.DEVNULL, timeout=60)
-        try:
-            fuse.wait(10)
-        except subprocess.TimeoutExpired:
-            fuse.kill()
-            fuse.wait()
+        stop_fuse(fuse, directory)
+
+
+def stop_fuse(fuse: subprocess.Popen, directory: Path) -> None:
+    """Unmount an nbdfuse mount (lazily if it is still busy) and end its process."""
+    unmount = subprocess.run(["fusermount3", "-u", str(directory)], check=False,
+                             stderr=subprocess.DEVNULL, timeout=60)
+    if unmount.returncode and fuse.poll() is None:
+        subprocess.run(["fusermount3", "-u", "-z", str(directory)], check=False,
+                       stderr=subprocess.DEVNULL, timeout=60)
+    try:
+        fuse.wait(10)
+    except subprocess.TimeoutExpired:
+        fuse.kill()
+        fuse.wait()

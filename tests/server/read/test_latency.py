@@ -154,6 +154,18 @@ def test_a_bad_hash_block_fetched_beside_is_never_trusted(image, sockdir, tmp_pa
     assert len(connections(hash_log)) <= 2, connections(hash_log)
 
 
+def send_at_once(h, offsets: list[int], size: int = 4096) -> list:
+    """offsets read at once on one connection; their buffers once all are answered."""
+    buffers = [nbd.Buffer(size) for _ in offsets]
+    for buf, offset in zip(buffers, offsets, strict=True):
+        h.aio_pread(buf, offset)
+    deadline = time.monotonic() + 60
+    while h.aio_in_flight() and time.monotonic() < deadline:
+        h.poll(1000)
+    assert not h.aio_in_flight()
+    return buffers
+
+
 def most_at_once(spans) -> int:
     """The most reads an upstream had in flight at one moment."""
     events = sorted([(came, 1) for _, _, came, _ in spans] +
@@ -180,14 +192,7 @@ def test_requests_in_flight_on_one_connection_reach_the_upstream_as_the_model_sa
         keys = {} if model == "default" else {"thread_model": model}
         server, data_log, _ = serve(image, sockdir, tmp_path / model, servers, upstreams,
                                     **keys)
-        h = server.connect()
-        buffers = [nbd.Buffer(4096) for _ in offsets]
-        for buf, offset in zip(buffers, offsets, strict=True):
-            h.aio_pread(buf, offset)
-        deadline = time.monotonic() + 60
-        while h.aio_in_flight() and time.monotonic() < deadline:
-            h.poll(1000)
-        assert not h.aio_in_flight()
+        buffers = send_at_once(server.connect(), offsets)
         for buf, offset in zip(buffers, offsets, strict=True):
             assert buf.to_bytearray() == image.expected(offset, 4096)
         data_reads = [r for r in reads(data_log) if r[0] in offsets]
@@ -200,18 +205,6 @@ def test_requests_in_flight_on_one_connection_reach_the_upstream_as_the_model_sa
         server.stop()
         for upstream in upstreams[-2:]:
             upstream.stop()
-
-
-def send_at_once(h, offsets: list[int], size: int = 4096) -> list:
-    """offsets read at once on one connection; their buffers once all are answered."""
-    buffers = [nbd.Buffer(size) for _ in offsets]
-    for buf, offset in zip(buffers, offsets, strict=True):
-        h.aio_pread(buf, offset)
-    deadline = time.monotonic() + 60
-    while h.aio_in_flight() and time.monotonic() < deadline:
-        h.poll(1000)
-    assert not h.aio_in_flight()
-    return buffers
 
 
 def test_a_local_image_not_in_the_page_cache_has_a_connections_requests_served_together(

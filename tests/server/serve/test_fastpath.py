@@ -397,6 +397,23 @@ def test_over_nbd_a_read_the_upstream_fails_fails_alike_on_both_paths(
             d.close()
 
 
+def hash_reads_after(dev, image):
+    """read(offset): a 4 KiB read on a new connection of dev, by the fast path where it
+    answers, else the general one, checked against image; (hash reads, hash blocks read)
+    so far."""
+    conn = Connection(dev)
+
+    def read(offset: int) -> tuple[int, int]:
+        buf = bytearray(4096)
+        if conn.fast(buf, offset) is not True:
+            read_general(conn, memoryview(buf), offset)
+        assert buf == image.expected(offset, 4096)
+        totals = dev.stats()["totals"]
+        return totals["hash_reads"], totals["hash_blocks_read"]
+    read.conn = conn
+    return read
+
+
 @pytest.mark.parametrize("path", ["fast", "general"])
 def test_a_cold_read_fetches_its_leafs_aligned_prefetch_cluster_beside_its_data(
         default_image, monkeypatch, sockdir, upstreams, path):
@@ -411,16 +428,7 @@ def test_a_cold_read_fetches_its_leafs_aligned_prefetch_cluster_beside_its_data(
                         prefetch_cluster="16K")
     leaf0 = dev.geo.level_start[0]
     try:
-        conn = Connection(dev)
-
-        def read(offset: int) -> tuple[int, int]:
-            buf = bytearray(4096)
-            if conn.fast(buf, offset) is not True:
-                read_general(conn, memoryview(buf), offset)
-            assert buf == default_image.expected(offset, 4096)
-            totals = dev.stats()["totals"]
-            return totals["hash_reads"], totals["hash_blocks_read"]
-
+        read = hash_reads_after(dev, default_image)
         before = dev.stats()["totals"]["hash_reads"]  # the root's, at start-up
         assert read(LEAF_SPAN * 5 + 8192) == (before + 1, before + 4)  # leaves 4-7
         assert [dev.cache.contains(leaf0 + i) for i in range(8)] == [False] * 4 + [True] * 4
@@ -445,16 +453,7 @@ def test_a_local_images_missing_leaf_comes_with_its_prefetch_cluster(default_ima
     dev = device(image, monkeypatch, path, prefetch_cluster="16K")
     leaf0 = dev.geo.level_start[0]
     try:
-        conn = Connection(dev)
-
-        def read(offset: int) -> tuple[int, int]:
-            buf = bytearray(4096)
-            if conn.fast(buf, offset) is not True:
-                read_general(conn, memoryview(buf), offset)
-            assert buf == default_image.expected(offset, 4096)
-            totals = dev.stats()["totals"]
-            return totals["hash_reads"], totals["hash_blocks_read"]
-
+        read = hash_reads_after(dev, default_image)
         before = dev.stats()["totals"]["hash_reads"]  # the root's, at start-up
         assert read(LEAF_SPAN * 5 + 8192) == (before + 1, before + 4)  # leaves 4-7
         assert [dev.cache.contains(leaf0 + i) for i in range(8)] == [False] * 4 + [
@@ -462,7 +461,7 @@ def test_a_local_images_missing_leaf_comes_with_its_prefetch_cluster(default_ima
         assert read(LEAF_SPAN * 7 + 4096) == (before + 1, before + 4)  # cached: no read
         for _ in range(2):
             with pytest.raises(CorruptionError):
-                read_general(conn, memoryview(bytearray(4096)), LEAF_SPAN * 6)
+                read_general(read.conn, memoryview(bytearray(4096)), LEAF_SPAN * 6)
         assert not dev.cache.contains(leaf0 + 6)
         assert dev.stats()["totals"]["corruptions"] == 2
         assert dev.stats()["totals"]["readaheads"] == 0  # a cluster is not readahead
