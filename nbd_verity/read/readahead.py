@@ -43,6 +43,9 @@ class Readahead:
         # window would evict the leaves the stream is about to use.
         self.max_leaves = max(0, min(max_leaves, verifier.cache.capacity // 4))
         self.last_end = -1  # where the connection's previous request ended
+        # the threads serving this connection's requests now (serve/callbacks.py pread
+        # adds and discards; set.add and set.discard are atomic under the GIL)
+        self.in_flight: set[int] = set()
         self.next_leaf = -1  # the first leaf past the stream's last readahead
         self.window = 0  # leaves in the stream's next readahead (0: no stream yet)
         geo = verifier.geo
@@ -59,8 +62,18 @@ class Readahead:
         self.window, self.next_leaf = 0, -1
         return True
 
+    def deep(self) -> bool:
+        """Whether other requests of the connection are in flight beside this one (the
+        parallel model): then the client's own depth keeps the storage busy, the prefetch
+        cluster brings the hash blocks (read/beside.py), and nothing more is read ahead,
+        which in the parallel model cost more than it gained (docs/server.md)."""
+        return len(self.in_flight) > 1
+
     def before_read(self, offset: int, length: int) -> None:
-        """Prefetch what this request (offset, length) and its stream will need."""
+        """Prefetch what this request (offset, length) and its stream will need; nothing
+        while other requests of the connection are in flight (deep)."""
+        if len(self.in_flight) > 1:
+            return
         sequential = offset == self.last_end
         self.last_end = end = offset + length
         data = self.verifier.data

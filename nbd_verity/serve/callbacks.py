@@ -28,6 +28,7 @@ import os
 import sys
 import threading
 import traceback
+from threading import get_ident
 
 import nbdkit
 
@@ -323,6 +324,10 @@ def pread(h, buf, offset, flags):
     gate is asked only while connections of two ranks are open (one attribute read
     otherwise)."""
     _keep()  # from the second request of a thread on: no new Python thread state
+    ahead = h.readahead  # one that reads ahead knows its requests in flight (readahead.py)
+    if ahead is not None:
+        me = get_ident()
+        ahead.in_flight.add(me)
     # with connections of two ranks open, the gate may make it wait while a better class
     # is busy, and counts it while a worse one watches (schedule/gate.py)
     counted = _gate.ranked and _gate.enter(h.io_class)
@@ -347,6 +352,8 @@ def pread(h, buf, offset, flags):
     finally:
         if counted:
             _gate.leave(h.io_class)
+        if ahead is not None:
+            ahead.in_flight.discard(me)
     with _failed_lock:
         _failed_reads[0] += 1
     _failures.fail(*problem)  # outside any except block: see nbdkit_compat
