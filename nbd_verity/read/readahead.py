@@ -72,7 +72,7 @@ class Readahead:
     def before_read(self, offset: int, length: int) -> None:
         """Prefetch what this request (offset, length) and its stream will need; nothing
         while other requests of the connection are in flight (deep)."""
-        if len(self.in_flight) > 1:
+        if self.deep():
             return
         sequential = offset == self.last_end
         self.last_end = end = offset + length

@@ -96,8 +96,8 @@ class Verifier(FecRepairs):
         if data is not None:
             return data
         if level == 0 and not strict:  # a missing leaf comes with its prefetch cluster
-            lo, hi = self.beside.widen(index, index)
-            if lo < hi and self.prefetch_leaves(lo, hi, readahead=False):
+            lo, hi = self.uncached(0, *self.beside.widen(index, index))
+            if lo < hi and self.prefetch_leaves(lo, hi, readahead=False):  # not it alone
                 data = self.cache.get(block)
                 if data is not None:
                     return data

@@ -183,7 +183,7 @@ def bind_remote(connection) -> Callable[[object, int], object]:
         if index + blocks > hpb_mask + 1:
             return None
         if readahead is not None and not (readahead.deep() or readahead.random(offset, size)):
-            return None  # read ahead of: the general path's
+            return None  # a stream read ahead of (Readahead.before_read): the general path's
         block = leaf_start + (first >> hpb_bits)
         leaf = leaves.get(block)
         if leaf is None:
