@@ -10,14 +10,22 @@
  * The GIL is released once per call when the run is at least release_size bytes, and
  * kept below that: for short runs a hand-over costs more than the hashing it lets run
  * elsewhere (DEFAULT_RELEASE_SIZE says where the two meet, as measured).
+ *
+ * nbd_read_verify does for a read over NBD what read_verify does for a file: the read on
+ * a connection of the caller's (libnbd's asynchronous API, on the handle Python's nbd
+ * module made), its wait and the check, in one call with the GIL released once. libnbd
+ * is the one the nbd module loaded: its functions are looked up there (dlopen with
+ * RTLD_NOLOAD), never linked, so the module builds and loads without libnbd.
  */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <structmember.h>
 
+#include <dlfcn.h>
 #include <errno.h>
 #include <pthread.h>
+#include <stdint.h>
 #include <string.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -522,12 +530,175 @@ done:
     return result;
 }
 
+
+/* -- Reads over NBD ---------------------------------------------------------------------
+ * libnbd's functions as its manual declares them (libnbd(3), nbd_aio_pread(3)): a stable
+ * ABI since libnbd 1.0. They are found in the libnbd that Python's nbd module loaded. */
+typedef struct {
+    int (*callback)(void *user_data, int *error);
+    void *user_data;
+    void (*free)(void *user_data);
+} nbd_completion;
+
+struct nbd_handle;
+static struct {
+    int64_t (*aio_pread)(struct nbd_handle *, void *, size_t, uint64_t, nbd_completion,
+                         uint32_t);
+    int (*aio_command_completed)(struct nbd_handle *, uint64_t);
+    int (*poll)(struct nbd_handle *, int);
+    const char *(*get_error)(void);
+    int (*get_errno)(void);
+} nbd_api;
+static int nbd_api_state;  /* 0: not looked up yet, 1: found, -1: not there */
+
+#define NBD_HANDLE_CAPSULE "nbd_handle"  /* the name Python's nbd module gives its handles */
+
+/* Look libnbd's functions up in the copy already loaded (by `import nbd`); 1 or 0.
+ * Called with the GIL held: the lookup happens once. */
+static int nbd_api_ready(void)
+{
+    if (nbd_api_state != 0)
+        return nbd_api_state > 0;
+    nbd_api_state = -1;
+    void *lib = dlopen("libnbd.so.0", RTLD_NOW | RTLD_NOLOAD);
+    if (lib == NULL)
+        return 0;
+    *(void **)&nbd_api.aio_pread = dlsym(lib, "nbd_aio_pread");
+    *(void **)&nbd_api.aio_command_completed = dlsym(lib, "nbd_aio_command_completed");
+    *(void **)&nbd_api.poll = dlsym(lib, "nbd_poll");
+    *(void **)&nbd_api.get_error = dlsym(lib, "nbd_get_error");
+    *(void **)&nbd_api.get_errno = dlsym(lib, "nbd_get_errno");
+    /* the library stays loaded: the nbd module holds it, and so does this reference */
+    if (nbd_api.aio_pread && nbd_api.aio_command_completed && nbd_api.poll &&
+        nbd_api.get_error && nbd_api.get_errno)
+        nbd_api_state = 1;
+    return nbd_api_state > 0;
+}
+
+PyDoc_STRVAR(nbd_ready_doc,
+"nbd_ready() -> bool: whether nbd_read_verify can run here (the libnbd that Python's nbd\n"
+"module loaded has the functions it calls; import nbd first).");
+
+static PyObject *nbd_ready(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(unused))
+{
+    return PyBool_FromLong(nbd_api_ready());
+}
+
+PyDoc_STRVAR(nbd_read_verify_doc,
+"nbd_read_verify(handle, buf, offset, block_size, expected_slots, slot_offset, slice_ms)\n"
+"-> int | tuple\n\n"
+"Read len(buf) bytes at offset into the writable buf on an NBD connection (handle: the\n"
+"_o of an nbd.NBD, connected, no command in flight), wait up to slice_ms for the reply,\n"
+"then verify buf as verify() does against the slots from slot_offset on, all with the\n"
+"GIL released once. Returns the verdict (-1, or the index of the first block that\n"
+"differs); (cookie,) when no reply came within slice_ms: the read is in flight, and the\n"
+"caller waits for it with the nbd module (the bytes are not verified then); or\n"
+"(errno, message) when libnbd failed the read (the connection may be dead: ask it).");
+
+static PyObject *Hasher_nbd_read_verify(Hasher *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    long long offset;
+    Py_ssize_t block_size, slot_offset;
+    long slice_ms;
+    Py_buffer buf, expected;
+    if (check_ready(self) < 0 || check_nargs("nbd_read_verify", nargs, 7) < 0)
+        return NULL;
+    if (!nbd_api_ready()) {
+        PyErr_SetString(PyExc_RuntimeError, "libnbd is not loaded: import nbd first");
+        return NULL;
+    }
+    struct nbd_handle *h = PyCapsule_GetPointer(args[0], NBD_HANDLE_CAPSULE);
+    if (h == NULL)
+        return NULL;
+    if ((offset = PyLong_AsLongLong(args[2])) == -1 && PyErr_Occurred())
+        return NULL;
+    if ((block_size = PyLong_AsSsize_t(args[3])) == -1 && PyErr_Occurred())
+        return NULL;
+    if ((slot_offset = PyLong_AsSsize_t(args[5])) == -1 && PyErr_Occurred())
+        return NULL;
+    if ((slice_ms = PyLong_AsLong(args[6])) == -1 && PyErr_Occurred())
+        return NULL;
+    if (offset < 0 || slice_ms < 0 || slice_ms > INT_MAX) {
+        PyErr_SetString(PyExc_ValueError, "offset or slice_ms out of range");
+        return NULL;
+    }
+    if (PyObject_GetBuffer(args[1], &buf, PyBUF_WRITABLE) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(args[4], &expected, PyBUF_SIMPLE) < 0) {
+        PyBuffer_Release(&buf);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    EVP_MD_CTX *ctx = NULL;
+    if (slot_offset < 0 || slot_offset > expected.len) {
+        PyErr_Format(PyExc_ValueError, "slot_offset %zd is outside the %zd bytes of slots",
+                     slot_offset, expected.len);
+        goto done;
+    }
+    Py_buffer slots = expected;
+    slots.buf = (unsigned char *)expected.buf + slot_offset;
+    slots.len = expected.len - slot_offset;
+    Py_ssize_t blocks = run_blocks(self, buf.len, block_size, &slots, 1);
+    if (blocks < 0 || (self->fast == NULL && (ctx = thread_ctx()) == NULL))
+        goto done;
+    int64_t cookie;
+    int state = 0;  /* 1: replied, 0: still in flight, -1: libnbd failed it */
+    int error = 0;
+    char message[256] = "";
+    Py_ssize_t verdict = -1;
+    nbd_completion none = {NULL, NULL, NULL};
+    Py_BEGIN_ALLOW_THREADS
+    cookie = nbd_api.aio_pread(h, buf.buf, (size_t)buf.len, (uint64_t)offset, none, 0);
+    if (cookie == -1) {
+        state = -1;
+    } else {
+        int waited = 0;  /* a slice passed without a reply: the caller's deadline from here */
+        for (;;) {
+            int done = nbd_api.aio_command_completed(h, (uint64_t)cookie);
+            if (done != 0) {
+                state = done > 0 ? 1 : -1;
+                break;
+            }
+            if (waited)
+                break;
+            int polled = nbd_api.poll(h, (int)slice_ms);
+            if (polled < 0) {
+                state = -1;
+                break;
+            }
+            waited = polled == 0;
+        }
+    }
+    if (state < 0) {  /* libnbd's error is the calling thread's: copy it before the GIL */
+        const char *text = nbd_api.get_error();
+        error = nbd_api.get_errno();
+        snprintf(message, sizeof message, "%s", text != NULL ? text : "read failed");
+    } else if (state > 0) {
+        verdict = verify_run(self, ctx, buf.buf, blocks, block_size, slots.buf);
+    }
+    Py_END_ALLOW_THREADS
+    if (state < 0)
+        result = Py_BuildValue("(is)", error, message);
+    else if (state == 0)
+        result = Py_BuildValue("(L)", (long long)cookie);
+    else if (verdict == DIGEST_FAILED)
+        digest_error();
+    else
+        result = PyLong_FromSsize_t(verdict);
+done:
+    PyBuffer_Release(&expected);
+    PyBuffer_Release(&buf);
+    return result;
+}
+
 static PyMethodDef Hasher_methods[] = {
     {"digest", (PyCFunction)Hasher_digest, METH_O, digest_doc},
     {"slots", (PyCFunction)(void (*)(void))Hasher_slots, METH_FASTCALL, slots_doc},
     {"verify", (PyCFunction)(void (*)(void))Hasher_verify, METH_FASTCALL, verify_doc},
     {"read_verify", (PyCFunction)(void (*)(void))Hasher_read_verify, METH_FASTCALL,
      read_verify_doc},
+    {"nbd_read_verify", (PyCFunction)(void (*)(void))Hasher_nbd_read_verify, METH_FASTCALL,
+     nbd_read_verify_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -571,6 +742,7 @@ static PyObject *openssl_version(PyObject *Py_UNUSED(module), PyObject *Py_UNUSE
 static PyMethodDef module_methods[] = {
     {"openssl_version", openssl_version, METH_NOARGS,
      "openssl_version() -> str: the version of the libcrypto in use."},
+    {"nbd_ready", nbd_ready, METH_NOARGS, nbd_ready_doc},
     {NULL, NULL, 0, NULL},
 };
 

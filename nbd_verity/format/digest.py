@@ -48,6 +48,17 @@ def _load_native():
 _native = _load_native()
 # read_verify's verdict when its read failed or ended early (the caller reads again).
 READ_FAILED = _native.READ_FAILED if _native is not None else None
+# 0: an image read over NBD is read and verified with separate calls (read_idle, verify),
+# for measuring the one native call against them (bench/storage.py), not a setting.
+NATIVE_NBD_ENV = "NBD_VERITY_NATIVE_NBD"
+
+
+def native_nbd_ready() -> bool:
+    """Whether Hasher.nbd_read_verify runs here: the native engine is built and finds
+    libnbd's functions in the copy Python's nbd module loaded (import nbd first: an NBD
+    source has), and the environment does not turn it off."""
+    return (_native is not None and os.environ.get(NATIVE_NBD_ENV, "") != "0"
+            and _native.nbd_ready())
 
 # veritysetup's algorithm names mapped to hashlib's, for those hashlib has.
 _HASHLIB_NAMES = {

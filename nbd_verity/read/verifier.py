@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import CorruptionError, DataCorruption, HashCorruption, ImageIOError
 from ..format.blocks import block_span, split_request
-from ..format.digest import READ_FAILED
+from ..format.digest import READ_FAILED, native_nbd_ready
 from ..format.params import VerityParams
 from ..log import log
 from ..sources.source import ImageFile
@@ -72,6 +72,9 @@ class Verifier(FecRepairs):
         # (read_idle), verified with the same native call as verify_blocks' runs.
         self.fast_reads = (getattr(data, "read_idle", None) if self._hasher is not None
                            else None)
+        # ... both in one native call where it runs (read_verify_idle, Hasher.nbd_read_verify)
+        checked = getattr(data, "read_verify_idle", None) if self.fast_reads else None
+        self.fast_checked_reads = checked if checked and native_nbd_ready() else None
         # a cold request's hash blocks read beside its data
         self.beside = Beside(self, options.prefetch_cluster)
 

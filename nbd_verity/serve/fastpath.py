@@ -34,6 +34,7 @@ from ..control.table import INLINE
 from ..errors import ImageIOError
 from ..limits import MAX_REQUEST_SIZE, switched_off
 from ..schedule.dispatch import SHARED_MIN
+from ..sources.remote import UNCHECKED
 
 FAST_PATH_ENV = "NBD_VERITY_FAST_PATH"  # 0: every request takes the general path
 SAMPLE_EVERY = 64  # one request in this many (per thread and class) has its latency timed
@@ -165,8 +166,10 @@ def bind_remote(connection) -> Callable[[object, int], object]:
     that differs) goes to the general path, which reads again."""
     (verifier, dispatcher, dbs, mask, shift, hpb_bits, hpb_mask, slot_size, leaf_start,
      leaves, io_class, slot, latency, rows_of, rows) = _bound(connection)
-    verify = verifier.digester.native.verify
+    hasher = verifier.digester.native
+    verify = hasher.verify
     read_idle = verifier.fast_reads
+    checked = verifier.fast_checked_reads  # read and verified in one native call, or None
     read_into, verify_blocks = verifier.data.read_into, verifier.verify_blocks
     beside_start = verifier.beside.start
     readahead = connection.readahead
@@ -189,15 +192,23 @@ def bind_remote(connection) -> Callable[[object, int], object]:
         if leaf is None:
             return cold(buf, offset, first, blocks)
         started = perf_counter()
+        at = index * slot_size
         try:
-            if not read_idle(buf, offset):
+            if checked is not None:
+                verdict = checked(buf, offset, hasher, dbs, leaf, at)
+                if verdict is None:
+                    return None
+            elif not read_idle(buf, offset):
                 return None
+            else:
+                verdict = UNCHECKED
         except ImageIOError as error:  # the request's failure, as the general path's
             dispatcher.failed(error)
             stats.record(io_class, INLINE, size, perf_counter() - started)
             raise
-        at = index * slot_size
-        if verify(buf, dbs, leaf[at:at + blocks * slot_size]) != -1:
+        if verdict == UNCHECKED:
+            verdict = verify(buf, dbs, leaf[at:at + blocks * slot_size])
+        if verdict != -1:
             return None  # the general path reads it again, and reports it
         verified, hits, path = rows_of.get(get_ident()) or rows()
         if not path[slot] & sample_mask:

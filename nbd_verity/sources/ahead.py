@@ -57,6 +57,7 @@ class AheadSource:
         self._buffers = Buffers()  # staging buffers, reused
         self._submit = getattr(source, "submit", None)  # an NBD source's: sent from here
         self._read_idle = getattr(source, "read_idle", None)  # an NBD source's: read_idle
+        self._read_verify_idle = getattr(source, "read_verify_idle", None)  # ... and this
         self._closed = False
         if self._submit is not None:  # a request that finds no connection free takes one
             source.lender = self  # of ours; one staged for IDLE_S is let go (reclaim)
@@ -142,6 +143,20 @@ class AheadSource:
             return False
         self.latency.add(time.perf_counter() - started)
         return True
+
+    def read_verify_idle(self, buf, offset: int, hasher, block_size: int, slots,
+                         at: int) -> int | None:
+        """NbdSource.read_verify_idle, timed as read_idle: None, having done nothing,
+        while reads sent ahead are staged or when the source has none (or no idle
+        connection); else its verdict, or its ImageIOError."""
+        read = self._read_verify_idle
+        if self._staged or read is None:
+            return None
+        started = time.perf_counter()
+        verdict = read(buf, offset, hasher, block_size, slots, at)
+        if verdict is not None:
+            self.latency.add(time.perf_counter() - started)
+        return verdict
 
     def _result(self, staged):
         """A staged read's bytes, waited for in slices: a server stopping ends the wait

@@ -54,6 +54,7 @@ READ_TIMEOUT_S = 60.0  # a read taking longer is an error and its connection is 
 DRAIN_S = 5.0  # after an ESHUTDOWN, connections are not kept idle for this long
 POLL_SLICE_MS = 250  # libnbd poll timeout per wait, so the deadline and stopping() are checked
 IDLE_S = 5.0  # a connection idle this long is closed (one stopping upstream exits then)
+UNCHECKED = -2  # read_verify_idle: buf holds the bytes, not verified (the caller checks)
 
 
 def is_uri(text: str) -> bool:
@@ -331,7 +332,7 @@ class NbdSource:
                         self._finish(h, cookie, offset)  # and stopping() from here on
                         break
             except self._nbd_error as e:
-                raise _read_error(e, self._where(offset)) from None
+                raise _read_error(e.errnum, e.string, self._where(offset)) from None
             broken = again = False
         except _Shutdown as error:
             broken = self._failed(h, error)
@@ -343,6 +344,45 @@ class NbdSource:
         if again:  # that server is going: once more, on a new connection
             self._read_on_one(buf, offset)
         return True
+
+    def read_verify_idle(self, buf, offset: int, hasher, block_size: int, slots,
+                         at: int) -> int | None:
+        """read_idle and the check of its bytes against slots (from byte at on) in one
+        native call, the GIL released once (Hasher.nbd_read_verify: libnbd's read, its
+        wait for one poll slice and the hashing): None, having done nothing, where
+        read_idle returns False; else the verdict (-1: every block matches; else the
+        index of the first that differs), or UNCHECKED when buf holds the bytes
+        unverified (no reply within the slice: read_idle's wait from then on; or read
+        again after a server said it stops); or read_idle's ImageIOError."""
+        if self._pipe is not None or offset + len(buf) > self._size or \
+                len(buf) > self._max_read:
+            return None
+        with self._lock:
+            if not self._idle:
+                return None
+            h = self._idle.pop()[0]
+        broken = again = True
+        verdict = UNCHECKED
+        try:
+            got = hasher.nbd_read_verify(h._o, buf, offset, block_size, slots, at,
+                                         POLL_SLICE_MS)
+            if got.__class__ is int:
+                verdict = got
+            elif len(got) == 1:  # in flight after a slice: the deadline and stopping()
+                self._finish(h, got[0], offset)
+            else:  # (errno, message): libnbd failed the read
+                raise _read_error(got[0], got[1], self._where(offset))
+            broken = again = False
+        except _Shutdown as error:
+            broken = self._failed(h, error)
+        except ImageIOError as error:
+            broken = self._failed(h, error)
+            raise
+        finally:
+            self._give_back(h, broken)
+        if again:  # that server is going: once more, on a new connection
+            self._read_on_one(buf, offset)
+        return verdict
 
     def _read_on_one(self, buf: memoryview, offset: int) -> None:
         """The read on one connection of the pool (given back, or closed if broken)."""
@@ -404,7 +444,7 @@ class NbdSource:
         try:
             cookie = h.aio_pread(nbd.Buffer.from_buffer(piece), offset)
         except nbd.Error as e:
-            raise _read_error(e, self._where(offset)) from None
+            raise _read_error(e.errnum, e.string, self._where(offset)) from None
         self._finish(h, cookie, offset)
 
     def _finish(self, h, cookie: int, offset: int) -> None:
@@ -415,7 +455,7 @@ class NbdSource:
             self._wait(h, lambda: h.aio_command_completed(cookie),
                        lambda: self._where(offset), "no reply")
         except nbd.Error as e:
-            raise _read_error(e, self._where(offset)) from None
+            raise _read_error(e.errnum, e.string, self._where(offset)) from None
 
     def submit(self, length: int, offset: int, into: bytearray | None = None) -> Pending | None:
         """Start reading length bytes at offset (into `into`, else a new buffer) on a
@@ -510,11 +550,11 @@ def _nothing() -> None:
     pass
 
 
-def _read_error(e, where: str) -> ImageIOError:
+def _read_error(errnum: int, text: str, where: str) -> ImageIOError:
     """libnbd's error of a read as ours: _Shutdown for ESHUTDOWN (the server stops)."""
-    if e.errnum == errno.ESHUTDOWN:
-        return _Shutdown(f"{where}: {e.string}")
-    return ImageIOError(f"{where}: {e.string}")
+    if errnum == errno.ESHUTDOWN:
+        return _Shutdown(f"{where}: {text}")
+    return ImageIOError(f"{where}: {text}")
 
 
 def _max_read_size(h) -> int:

@@ -6,7 +6,8 @@ or not, over a damaged copy) and their results and `stats` counters are compared
 fast path's own decision is checked request by request. Through nbdkit, a server on each
 path serves the same workload and the control socket's counters are compared. The same
 holds for an image read over NBD (real nbdkit `file` upstreams): its fast path reads on
-an idle connection of the source's pool, and a read the upstream fails fails alike.
+an idle connection of the source's pool, and a read the upstream fails fails alike,
+whether the read and its check are one native call or two.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import pytest
 
 from nbd_verity.errors import CorruptionError, ImageIOError, VerityError
 from nbd_verity.format import digest
+from nbd_verity.format.digest import NATIVE_NBD_ENV
 from nbd_verity.ioclass import CLASSES
 from nbd_verity.prepare.config import config_from_pairs
 from nbd_verity.serve.device import Connection, Device
@@ -297,16 +299,28 @@ def slow_hashes(image, sockdir: str) -> NbdkitFile:
     return NbdkitFile(image.hash, sockdir, "fp-hash", ("delay",), ("rdelay=1ms",)).start()
 
 
+def native_nbd(monkeypatch, native: bool) -> None:
+    """The fast path reads and verifies over NBD in one native call (the default), or in
+    two (read_idle, then verify: NBD_VERITY_NATIVE_NBD=0)."""
+    if native:
+        monkeypatch.delenv(NATIVE_NBD_ENV, raising=False)
+    else:
+        monkeypatch.setenv(NATIVE_NBD_ENV, "0")
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["one-native-call", "two-calls"])
 @pytest.mark.parametrize("mode", ["eio", "ignore-corruption"])
 def test_over_nbd_both_paths_give_the_same_answers_and_counts(damaged, monkeypatch, sockdir,
-                                                              upstreams, mode):
+                                                              upstreams, mode, native):
     data = NbdkitFile(damaged.data, sockdir, "fp-data").start()
     hashes = slow_hashes(damaged, sockdir)
     upstreams += [data, hashes]
+    native_nbd(monkeypatch, native)
     devices = [remote_device(damaged, monkeypatch, path, data.uri, hashes.uri,
                              error_mode=mode) for path in ("fast", "general")]
     try:
         assert [d.fast_path for d in devices] == [True, False]
+        assert (devices[0].verifier.fast_checked_reads is not None) == native
         answered = compare_paths(devices, damaged, mode, 3)
         assert answered.count(True) > 50, "the fast path answered too few requests"
         fast, general = (counted(d) for d in devices)
@@ -351,8 +365,9 @@ def test_over_nbd_the_fast_path_takes_only_a_random_read_under_a_cached_leaf(
         dev.close()
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["one-native-call", "two-calls"])
 def test_over_nbd_a_read_the_upstream_fails_fails_alike_on_both_paths(
-        default_image, monkeypatch, sockdir, tmp_path, upstreams):
+        default_image, monkeypatch, sockdir, tmp_path, upstreams, native):
     """The fast path raises the general path's error (text and counters alike), keeps its
     connection (a server's error leaves it usable), and serves again once the upstream
     does."""
@@ -361,9 +376,11 @@ def test_over_nbd_a_read_the_upstream_fails_fails_alike_on_both_paths(
                       ("error-pread-rate=100%", f"error-pread-file={trigger}")).start()
     hashes = slow_hashes(default_image, sockdir)
     upstreams += [data, hashes]
+    native_nbd(monkeypatch, native)
     devices = [remote_device(default_image, monkeypatch, path, data.uri, hashes.uri)
                for path in ("fast", "general")]
     try:
+        assert (devices[0].verifier.fast_checked_reads is not None) == native
         conns = [Connection(d) for d in devices]
         for conn in conns:
             read_general(conn, memoryview(bytearray(4096)), 0)  # leaf 0 cached
