@@ -25,6 +25,7 @@ Sources:
 
     .venv/bin/python bench/storage.py [--rounds 3] [--runtime 4] [--delays 1ms,10ms]
         [--disk] [--http 10ms] [--thread-models default,serialize-requests]
+        [--thread-models default,default+two-calls]
 
 `--delays 0ms` is a network source without latency (a page-cached upstream): where the
 thread model serve chooses for a network image is measured against the other one.
@@ -54,6 +55,7 @@ import servers  # noqa: E402
 from fiorun import Job  # noqa: E402
 
 from nbd_verity import launch  # noqa: E402
+from nbd_verity.format.digest import NATIVE_NBD_ENV  # noqa: E402
 
 WORKLOADS = (("randread", 4 << 10, 1), ("randread", 4 << 10, 16), ("randread", 64 << 10, 4),
              ("read", 128 << 10, 1), ("read", 128 << 10, 8))
@@ -98,20 +100,41 @@ def measure_delay(image: images.Image, delay: str, rounds: int, runtime: float,
                                     [f"uri={data.uri()}", "keep-thread-state=yes"]) as relay:
                     python.append((unverified, fiorun.run(relay.uri(), job, image.size).mb_s))
                 for model in models:
-                    options = [] if model == "default" else ["--thread-model", model]
-                    with servers.verity_server("verified", served, options) as server:
+                    with verity(served, model) as server:
                         verified = fiorun.run(server.uri(), job, image.size).mb_s
                     runs[model].append((unverified, verified))
                     say(f"delay {delay} ({model}): {label(rw, bs, qd)}: {unverified:.1f} / "
                         f"{verified:.1f}")
             for model in models:
-                source = f"NBD, {delay} per read" + ("" if model == "default"
-                                                     else f", --thread-model {model}")
-                rows.append(summary(source, label(rw, bs, qd), runs[model]))
+                rows.append(summary(f"NBD, {delay} per read{model_label(model)}",
+                                    label(rw, bs, qd), runs[model]))
             rows.append(summary(f"NBD, {delay} per read: {RELAY}", label(rw, bs, qd), relayed))
             rows.append(summary(f"NBD, {delay} per read: {PYTHON_RELAY}", label(rw, bs, qd),
                                 python))
     return rows
+
+
+TWO_CALLS = "+two-calls"  # a model's suffix: NBD_VERITY_NATIVE_NBD=0
+
+
+def verity(served: images.Image, model: str) -> servers.Server:
+    """serve in a thread model (`default`: its own choice); with TWO_CALLS, its fast path
+    reads over NBD and verifies in two calls (read_idle, verify), as before the one
+    native call (Hasher.nbd_read_verify)."""
+    base = model.removesuffix(TWO_CALLS)
+    server = servers.verity_server("verified", served,
+                                   [] if base == "default" else ["--thread-model", base])
+    if model.endswith(TWO_CALLS):
+        server.env = {**server.env, NATIVE_NBD_ENV: "0"}
+    return server
+
+
+def model_label(model: str) -> str:
+    base = model.removesuffix(TWO_CALLS)
+    text = "" if base == "default" else f", --thread-model {base}"
+    if model.endswith(TWO_CALLS):
+        text += f", read and verified in two calls ({NATIVE_NBD_ENV}=0)"
+    return text
 
 
 DISK_MODELS = (("local disk, uncached", []),
@@ -235,7 +258,9 @@ def main(argv: list[str]) -> int:
                         help="also an HTTP source whose GETs wait this long (e.g. 10ms)")
     parser.add_argument("--thread-models", default="default",
                         help="verified in each of these (comma-separated; default: serve's "
-                             "own choice), e.g. default,serialize-requests")
+                             "own choice), e.g. default,serialize-requests; a model with "
+                             f"the suffix {TWO_CALLS} reads and verifies over NBD in two "
+                             f"calls ({NATIVE_NBD_ENV}=0)")
     args = parser.parse_args(argv[1:])
     image = images.random_image(SIZE)
     rows = []
