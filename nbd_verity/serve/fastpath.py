@@ -158,8 +158,9 @@ def bind_remote(connection) -> Callable[[object, int], object]:
     """The fast path of one connection to an image read over NBD (the verifier's
     fast_reads: an NBD source's read_idle): an aligned request under one leaf within its
     class's threshold, which reads nothing ahead (Readahead.random). Under a cached leaf
-    it is read on a connection idle now and verified with the native call of the
-    general path's runs; under a leaf not cached, the leaf's read is sent beside the
+    it is read on a connection idle now and verified in the same native call
+    (read_verify_idle: the GIL held only for the bookkeeping; else read_idle, then the
+    general path's native verify); under a leaf not cached, the leaf's read is sent beside the
     data read (cold(): the general path's steps without its frames). A read the source
     fails is the general path's failure (Dispatcher.failed: counted, logged, raised);
     anything else it declines (no idle connection, reads sent ahead staged, a digest
