@@ -593,7 +593,8 @@ PyDoc_STRVAR(nbd_read_verify_doc,
 "GIL released once. Returns the verdict (-1, or the index of the first block that\n"
 "differs); (cookie,) when no reply came within slice_ms: the read is in flight, and the\n"
 "caller waits for it with the nbd module (the bytes are not verified then); or\n"
-"(errno, message) when libnbd failed the read (the connection may be dead: ask it).");
+"(errno, message) when libnbd failed the read or the wait (the connection may be dead,\n"
+"or the read still in flight if the wait failed: ask it).");
 
 static PyObject *Hasher_nbd_read_verify(Hasher *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -662,6 +663,8 @@ static PyObject *Hasher_nbd_read_verify(Hasher *self, PyObject *const *args, Py_
             if (waited)
                 break;
             int polled = nbd_api.poll(h, (int)slice_ms);
+            if (polled < 0 && nbd_api.get_errno() == EINTR)
+                continue;  /* a signal for this thread: the read is still in flight */
             if (polled < 0) {
                 state = -1;
                 break;

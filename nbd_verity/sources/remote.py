@@ -408,14 +408,15 @@ class NbdSource:
 
     def _failed(self, h, error: ImageIOError) -> bool:
         """Count a read on h that failed; whether h is broken (closed, not given back):
-        dead, or its server stopping (_Shutdown, after which the pool keeps no
-        connection idle for DRAIN_S)."""
+        dead, its server stopping (_Shutdown, after which the pool keeps no connection
+        idle for DRAIN_S), or a read still in flight on it (the wait failed, not the
+        read: its reply would land in a buffer that is no longer the reader's)."""
         with self._lock:
             self.source_errors += 1
             if isinstance(error, _Shutdown):
                 self._drain_until = time.monotonic() + DRAIN_S
                 return True
-        return _is_dead(h)
+        return _is_dead(h) or _in_flight(h)
 
     def _read_on_pipe(self, buf: memoryview, offset: int) -> None:
         """The read on the one connection, beside the others in flight (pipe.py)."""
@@ -578,6 +579,14 @@ def _is_dead(h) -> bool:
     """Whether a handle lost its connection (a server-side error leaves it usable)."""
     try:
         return bool(h.aio_is_dead() or h.aio_is_closed())
+    except Exception:  # a handle we cannot ask is not reused
+        return True
+
+
+def _in_flight(h) -> bool:
+    """Whether a handle still has a command in flight (one that failed has retired)."""
+    try:
+        return h.aio_in_flight() > 0
     except Exception:  # a handle we cannot ask is not reused
         return True
 

@@ -5,7 +5,8 @@ The bytes land in the caller's buffer as the upstream holds them; the verdict is
 verify()'s on those bytes (-1, or the first block whose slot differs), from any slot
 offset of a leaf; a reply later than the slice leaves the read in flight (its cookie),
 for the caller to wait for with the nbd module; a read libnbd refuses or the server
-fails comes back as (errno, message), and the connection stays usable.
+fails comes back as (errno, message), and the connection stays usable; a connection
+whose read is still in flight after a failed wait is closed, never kept.
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ import random
 import nbd
 import pytest
 
+from nbd_verity.errors import ImageIOError
 from nbd_verity.format import digest
 from nbd_verity.format.digest import Digester, native_nbd_ready
+from nbd_verity.sources.remote import NbdSource
 
 from ...conftest import write_image
 from ..upstreams import NbdkitFile
@@ -132,3 +135,27 @@ def test_what_is_not_a_handle_or_a_run_is_refused(image, hasher, sockdir, upstre
     assert hasher.nbd_read_verify(h._o, buf, 0, BLOCK, hasher.slots(held, BLOCK), 0, 250) == -1
     assert buf == held
     h.shutdown()
+
+
+def test_a_connection_whose_read_is_still_in_flight_is_never_given_back(
+        image, sockdir, upstreams):
+    """A wait that fails (a poll a signal interrupted, say) leaves the read in flight: the
+    pool closes that connection rather than keep it idle, where the next read's would
+    meet the old reply (written into a buffer that is no longer its reader's). A read
+    the server failed has retired, and its connection is kept."""
+    upstream = NbdkitFile(image, sockdir, "native-inflight", ("delay",),
+                          ("rdelay=500ms",)).start()
+    upstreams.append(upstream)
+    source = NbdSource(upstream.uri, "data", connections=1)
+    try:
+        h = source._take()
+        buf = bytearray(BLOCK)
+        cookie = h.aio_pread(nbd.Buffer.from_buffer(buf), 0)
+        assert source._failed(h, ImageIOError("the wait failed")) is True
+        while not h.aio_command_completed(cookie):
+            h.poll(-1)
+        assert source._failed(h, ImageIOError("the server failed it")) is False
+        source._give_back(h, False)
+        assert buf == image.read_bytes()[:BLOCK]
+    finally:
+        source.close()
