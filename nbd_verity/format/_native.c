@@ -422,6 +422,61 @@ static PyObject *Hasher_verify(Hasher *self, PyObject *const *args, Py_ssize_t n
     return verdict == RAISED ? NULL : PyLong_FromSsize_t(verdict);
 }
 
+/* A run that a call reads into and verifies: the caller's writable buffer, the slots it
+ * is checked against (from slot_offset on) and the digest context hashing it needs. */
+typedef struct {
+    Py_buffer buf, expected;
+    const unsigned char *slots;
+    long long offset;
+    Py_ssize_t block_size, blocks;
+    EVP_MD_CTX *ctx;
+} Run;
+
+static void release_run(Run *run)
+{
+    PyBuffer_Release(&run->expected);
+    PyBuffer_Release(&run->buf);
+}
+
+/* Take a read-and-verify call's buffer, offset, block size and slots into run: 0, or -1
+ * with an exception set and nothing held (release_run() after 0). */
+static int take_run(Hasher *self, PyObject *buf, PyObject *offset, PyObject *block_size,
+                    PyObject *expected, Py_ssize_t slot_offset, Run *run)
+{
+    if ((run->offset = PyLong_AsLongLong(offset)) == -1 && PyErr_Occurred())
+        return -1;
+    if ((run->block_size = PyLong_AsSsize_t(block_size)) == -1 && PyErr_Occurred())
+        return -1;
+    if (run->offset < 0) {
+        PyErr_SetString(PyExc_ValueError, "offset is negative");
+        return -1;
+    }
+    if (PyObject_GetBuffer(buf, &run->buf, PyBUF_WRITABLE) < 0)
+        return -1;
+    if (PyObject_GetBuffer(expected, &run->expected, PyBUF_SIMPLE) < 0) {
+        PyBuffer_Release(&run->buf);
+        return -1;
+    }
+    run->ctx = NULL;
+    if (slot_offset < 0 || slot_offset > run->expected.len) {
+        PyErr_Format(PyExc_ValueError, "slot_offset %zd is outside the %zd bytes of slots",
+                     slot_offset, run->expected.len);
+        goto fail;
+    }
+    Py_buffer slots = run->expected;  /* the slots from slot_offset on */
+    slots.buf = (unsigned char *)run->expected.buf + slot_offset;
+    slots.len = run->expected.len - slot_offset;
+    run->slots = slots.buf;
+    run->blocks = run_blocks(self, run->buf.len, run->block_size, &slots, 1);
+    /* The SHA-NI path needs no EVP context: fetch the thread's only for the EVP loops. */
+    if (run->blocks < 0 || (self->fast == NULL && (run->ctx = thread_ctx()) == NULL))
+        goto fail;
+    return 0;
+fail:
+    release_run(run);
+    return -1;
+}
+
 PyDoc_STRVAR(read_verify_doc,
 "read_verify(fd, buf, offset, block_size, expected_slots[, slot_offset]) -> int\n\n"
 "Fill the writable buf from fd at offset, then verify it as verify() does against the\n"
@@ -434,10 +489,8 @@ PyDoc_STRVAR(read_verify_doc,
 static PyObject *Hasher_read_verify(Hasher *self, PyObject *const *args, Py_ssize_t nargs)
 {
     long fd;
-    long long offset;
-    Py_ssize_t block_size;
     Py_ssize_t slot_offset = 0;
-    Py_buffer buf, expected;
+    Run run;
     if (check_ready(self) < 0)
         return NULL;
     if (nargs != 6 && check_nargs("read_verify", nargs, 5) < 0)
@@ -450,37 +503,12 @@ static PyObject *Hasher_read_verify(Hasher *self, PyObject *const *args, Py_ssiz
         PyErr_SetString(PyExc_ValueError, "fd is not a file descriptor");
         return NULL;
     }
-    if ((offset = PyLong_AsLongLong(args[2])) == -1 && PyErr_Occurred())
+    if (take_run(self, args[1], args[2], args[3], args[4], slot_offset, &run) < 0)
         return NULL;
-    if ((block_size = PyLong_AsSsize_t(args[3])) == -1 && PyErr_Occurred())
-        return NULL;
-    if (offset < 0) {
-        PyErr_SetString(PyExc_ValueError, "offset is negative");
-        return NULL;
-    }
-    if (PyObject_GetBuffer(args[1], &buf, PyBUF_WRITABLE) < 0)
-        return NULL;
-    if (PyObject_GetBuffer(args[4], &expected, PyBUF_SIMPLE) < 0) {
-        PyBuffer_Release(&buf);
-        return NULL;
-    }
     PyObject *result = NULL;
-    EVP_MD_CTX *ctx = NULL;
-    if (slot_offset < 0 || slot_offset > expected.len) {
-        PyErr_Format(PyExc_ValueError, "slot_offset %zd is outside the %zd bytes of slots",
-                     slot_offset, expected.len);
-        goto done;
-    }
-    Py_buffer slots = expected;  /* the slots from slot_offset on; released as expected */
-    slots.buf = (unsigned char *)expected.buf + slot_offset;
-    slots.len = expected.len - slot_offset;
-    Py_ssize_t blocks = run_blocks(self, buf.len, block_size, &slots, 1);
-    /* The SHA-NI path needs no EVP context: fetch the thread's only for the EVP loops. */
-    if (blocks < 0 || (self->fast == NULL && (ctx = thread_ctx()) == NULL))
-        goto done;
-    unsigned char *p = buf.buf;
-    size_t size = (size_t)buf.len, got = 0;
-    int release = buf.len >= self->release_size;
+    unsigned char *p = run.buf.buf;
+    size_t size = (size_t)run.buf.len, got = 0;
+    int release = run.buf.len >= self->release_size;
     Py_ssize_t verdict = -1;
     int ask = !release && !self->nowait_refused;
     if (ask && self->nowait_skip > 0) {  /* the file is not cached lately (NOWAIT_MISSES) */
@@ -494,7 +522,7 @@ static PyObject *Hasher_read_verify(Hasher *self, PyObject *const *args, Py_ssiz
          * one device, one data image, one answer. The GIL is held here, so the counts
          * are not raced. */
         struct iovec iov = {p, size};
-        ssize_t n = preadv2((int)fd, &iov, 1, (off_t)offset, RWF_NOWAIT);
+        ssize_t n = preadv2((int)fd, &iov, 1, (off_t)run.offset, RWF_NOWAIT);
         if (n < 0 && errno == EOPNOTSUPP)
             self->nowait_refused = 1;
         got = n > 0 ? (size_t)n : 0;
@@ -511,22 +539,20 @@ static PyObject *Hasher_read_verify(Hasher *self, PyObject *const *args, Py_ssiz
          * (for the read, it is anyway: holding it again to hash only makes the other
          * requests wait once more). */
         Py_BEGIN_ALLOW_THREADS
-        if (read_full((int)fd, p + got, size - got, (off_t)offset + (off_t)got) < 0)
+        if (read_full((int)fd, p + got, size - got, (off_t)run.offset + (off_t)got) < 0)
             verdict = READ_FAILED;
         else
-            verdict = verify_run(self, ctx, p, blocks, block_size, slots.buf);
+            verdict = verify_run(self, run.ctx, p, run.blocks, run.block_size, run.slots);
         Py_END_ALLOW_THREADS
         hashed = 1;
     }
     if (!hashed)  /* a short run found in the page cache: hashed with the GIL held */
-        verdict = verify_run(self, ctx, p, blocks, block_size, slots.buf);
+        verdict = verify_run(self, run.ctx, p, run.blocks, run.block_size, run.slots);
     if (verdict == DIGEST_FAILED)
         digest_error();
     else
         result = PyLong_FromSsize_t(verdict);
-done:
-    PyBuffer_Release(&expected);
-    PyBuffer_Release(&buf);
+    release_run(&run);
     return result;
 }
 
@@ -598,10 +624,9 @@ PyDoc_STRVAR(nbd_read_verify_doc,
 
 static PyObject *Hasher_nbd_read_verify(Hasher *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    long long offset;
-    Py_ssize_t block_size, slot_offset;
+    Py_ssize_t slot_offset;
     long slice_ms;
-    Py_buffer buf, expected;
+    Run run;
     if (check_ready(self) < 0 || check_nargs("nbd_read_verify", nargs, 7) < 0)
         return NULL;
     if (!nbd_api_ready()) {
@@ -611,37 +636,17 @@ static PyObject *Hasher_nbd_read_verify(Hasher *self, PyObject *const *args, Py_
     struct nbd_handle *h = PyCapsule_GetPointer(args[0], NBD_HANDLE_CAPSULE);
     if (h == NULL)
         return NULL;
-    if ((offset = PyLong_AsLongLong(args[2])) == -1 && PyErr_Occurred())
-        return NULL;
-    if ((block_size = PyLong_AsSsize_t(args[3])) == -1 && PyErr_Occurred())
-        return NULL;
     if ((slot_offset = PyLong_AsSsize_t(args[5])) == -1 && PyErr_Occurred())
         return NULL;
     if ((slice_ms = PyLong_AsLong(args[6])) == -1 && PyErr_Occurred())
         return NULL;
-    if (offset < 0 || slice_ms < 0 || slice_ms > INT_MAX) {
-        PyErr_SetString(PyExc_ValueError, "offset or slice_ms out of range");
+    if (slice_ms < 0 || slice_ms > INT_MAX) {
+        PyErr_SetString(PyExc_ValueError, "slice_ms out of range");
         return NULL;
     }
-    if (PyObject_GetBuffer(args[1], &buf, PyBUF_WRITABLE) < 0)
+    if (take_run(self, args[1], args[2], args[3], args[4], slot_offset, &run) < 0)
         return NULL;
-    if (PyObject_GetBuffer(args[4], &expected, PyBUF_SIMPLE) < 0) {
-        PyBuffer_Release(&buf);
-        return NULL;
-    }
     PyObject *result = NULL;
-    EVP_MD_CTX *ctx = NULL;
-    if (slot_offset < 0 || slot_offset > expected.len) {
-        PyErr_Format(PyExc_ValueError, "slot_offset %zd is outside the %zd bytes of slots",
-                     slot_offset, expected.len);
-        goto done;
-    }
-    Py_buffer slots = expected;
-    slots.buf = (unsigned char *)expected.buf + slot_offset;
-    slots.len = expected.len - slot_offset;
-    Py_ssize_t blocks = run_blocks(self, buf.len, block_size, &slots, 1);
-    if (blocks < 0 || (self->fast == NULL && (ctx = thread_ctx()) == NULL))
-        goto done;
     int64_t cookie;
     int state = 0;  /* 1: replied, 0: still in flight, -1: libnbd failed it */
     int error = 0;
@@ -649,7 +654,8 @@ static PyObject *Hasher_nbd_read_verify(Hasher *self, PyObject *const *args, Py_
     Py_ssize_t verdict = -1;
     nbd_completion none = {NULL, NULL, NULL};
     Py_BEGIN_ALLOW_THREADS
-    cookie = nbd_api.aio_pread(h, buf.buf, (size_t)buf.len, (uint64_t)offset, none, 0);
+    cookie = nbd_api.aio_pread(h, run.buf.buf, (size_t)run.buf.len, (uint64_t)run.offset,
+                               none, 0);
     if (cookie == -1) {
         state = -1;
     } else {
@@ -677,7 +683,8 @@ static PyObject *Hasher_nbd_read_verify(Hasher *self, PyObject *const *args, Py_
         error = nbd_api.get_errno();
         snprintf(message, sizeof message, "%s", text != NULL ? text : "read failed");
     } else if (state > 0) {
-        verdict = verify_run(self, ctx, buf.buf, blocks, block_size, slots.buf);
+        verdict = verify_run(self, run.ctx, run.buf.buf, run.blocks, run.block_size,
+                             run.slots);
     }
     Py_END_ALLOW_THREADS
     if (state < 0)
@@ -688,9 +695,7 @@ static PyObject *Hasher_nbd_read_verify(Hasher *self, PyObject *const *args, Py_
         digest_error();
     else
         result = PyLong_FromSsize_t(verdict);
-done:
-    PyBuffer_Release(&expected);
-    PyBuffer_Release(&buf);
+    release_run(&run);
     return result;
 }
 

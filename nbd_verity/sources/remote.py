@@ -316,34 +316,7 @@ class NbdSource:
         the ImageIOError read_into would raise (counted; one more try on a new connection
         after a server said it stops). Its wait is _finish's once a poll slice passed
         without a reply (deadline from then on)."""
-        if self._pipe is not None or offset + len(buf) > self._size or \
-                len(buf) > self._max_read:
-            return False
-        with self._free:
-            if not self._idle:
-                return False
-            h = self._idle.pop()[0]
-        broken = again = True
-        try:
-            try:
-                cookie = h.aio_pread(self._shared(buf), offset)
-                while not h.aio_command_completed(cookie):
-                    if not h.poll(POLL_SLICE_MS):  # a slice without a reply: the deadline
-                        self._finish(h, cookie, offset)  # and stopping() from here on
-                        break
-            except self._nbd_error as e:
-                raise _read_error(e.errnum, e.string, self._where(offset)) from None
-            broken = again = False
-        except _Shutdown as error:
-            broken = self._failed(h, error)
-        except ImageIOError as error:
-            broken = self._failed(h, error)
-            raise
-        finally:
-            self._give_back(h, broken)
-        if again:  # that server is going: once more, on a new connection
-            self._read_on_one(buf, offset)
-        return True
+        return self._on_idle(buf, offset, self._read_in_slices, ()) is not None
 
     def read_verify_idle(self, buf, offset: int, hasher, block_size: int, slots,
                          at: int) -> int | None:
@@ -354,6 +327,15 @@ class NbdSource:
         index of the first that differs), or UNCHECKED when buf holds the bytes
         unverified (no reply within the slice: read_idle's wait from then on; or read
         again after a server said it stops); or read_idle's ImageIOError."""
+        return self._on_idle(buf, offset, self._read_verified,
+                             (hasher, block_size, slots, at))
+
+    def _on_idle(self, buf, offset: int, read, args: tuple):
+        """read(h, buf, offset, *args) on a connection idle now: None, having done
+        nothing, when there is none (or the read is longer than one request, or the
+        connections are a pipe); else what read returned, UNCHECKED after one more try on
+        a new connection (a server said it stops), or the ImageIOError (counted; the
+        connection closed if broken, else given back)."""
         if self._pipe is not None or offset + len(buf) > self._size or \
                 len(buf) > self._max_read:
             return None
@@ -362,16 +344,8 @@ class NbdSource:
                 return None
             h = self._idle.pop()[0]
         broken = again = True
-        verdict = UNCHECKED
         try:
-            got = hasher.nbd_read_verify(h._o, buf, offset, block_size, slots, at,
-                                         POLL_SLICE_MS)
-            if got.__class__ is int:
-                verdict = got
-            elif len(got) == 1:  # in flight after a slice: the deadline and stopping()
-                self._finish(h, got[0], offset)
-            else:  # (errno, message): libnbd failed the read
-                raise _read_error(got[0], got[1], self._where(offset))
+            got = read(h, buf, offset, *args)
             broken = again = False
         except _Shutdown as error:
             broken = self._failed(h, error)
@@ -382,7 +356,33 @@ class NbdSource:
             self._give_back(h, broken)
         if again:  # that server is going: once more, on a new connection
             self._read_on_one(buf, offset)
-        return verdict
+            return UNCHECKED
+        return got
+
+    def _read_in_slices(self, h, buf, offset: int) -> int:
+        """libnbd's read into buf on h, polled in slices; UNCHECKED, or ImageIOError."""
+        try:
+            cookie = h.aio_pread(self._shared(buf), offset)
+            while not h.aio_command_completed(cookie):
+                if not h.poll(POLL_SLICE_MS):  # a slice without a reply: the deadline
+                    self._finish(h, cookie, offset)  # and stopping() from here on
+                    break
+        except self._nbd_error as e:
+            raise _read_error(e.errnum, e.string, self._where(offset)) from None
+        return UNCHECKED
+
+    def _read_verified(self, h, buf, offset: int, hasher, block_size: int, slots,
+                       at: int) -> int:
+        """The read and its check in one native call: the verdict, UNCHECKED after a
+        slice without a reply (then waited for as _read_in_slices waits), or
+        ImageIOError."""
+        got = hasher.nbd_read_verify(h._o, buf, offset, block_size, slots, at, POLL_SLICE_MS)
+        if got.__class__ is int:
+            return got
+        if len(got) == 1:  # in flight after a slice: the deadline and stopping()
+            self._finish(h, got[0], offset)
+            return UNCHECKED
+        raise _read_error(got[0], got[1], self._where(offset))  # (errno, message)
 
     def _read_on_one(self, buf: memoryview, offset: int) -> None:
         """The read on one connection of the pool (given back, or closed if broken)."""
