@@ -174,6 +174,8 @@ def bind_remote(connection) -> Callable[[object, int], object]:
     read_into, verify_blocks = verifier.data.read_into, verifier.verify_blocks
     beside_start = verifier.beside.start
     readahead = connection.readahead
+    # a stream's requests in flight together read in shared chunks (sources/ahead.py)
+    from_chunk = getattr(verifier.data, "from_chunk", None) if readahead is not None else None
     stats = dispatcher.stats
     sample_mask = SAMPLE_EVERY - 1
 
@@ -186,16 +188,22 @@ def bind_remote(connection) -> Callable[[object, int], object]:
         index = first & hpb_mask
         if index + blocks > hpb_mask + 1:
             return None
-        if readahead is not None and not (readahead.deep() or readahead.random(offset, size)):
-            return None  # a stream read ahead of (Readahead.before_read): the general path's
+        chunked = False
+        if readahead is not None:
+            if readahead.deep():  # requests of the connection in flight together
+                chunked = from_chunk is not None
+            elif not readahead.random(offset, size):
+                return None  # a stream read ahead of (Readahead.before_read): the general path's
         block = leaf_start + (first >> hpb_bits)
         leaf = leaves.get(block)
         if leaf is None:
-            return cold(buf, offset, first, blocks)
+            return cold(buf, offset, first, blocks, chunked)
         started = perf_counter()
         at = index * slot_size
         try:
-            if checked is not None:
+            if chunked and from_chunk(buf, offset):
+                verdict = UNCHECKED
+            elif checked is not None:
                 verdict = checked(buf, offset, hasher, dbs, leaf, at)
                 if verdict is None:
                     return None
@@ -224,7 +232,7 @@ def bind_remote(connection) -> Callable[[object, int], object]:
         path[slot + 1] += size
         return True
 
-    def cold(buf, offset: int, first: int, blocks: int):
+    def cold(buf, offset: int, first: int, blocks: int, chunked: bool):
         """The leaf is not cached: its read (and any missing parent's) sent beside the
         data read (Beside.start: None when the hash source answers fast or has no free
         connection, and the general path decides), then the general path's own steps,
@@ -236,7 +244,7 @@ def bind_remote(connection) -> Callable[[object, int], object]:
         started = perf_counter()
         try:
             try:
-                if not read_idle(buf, offset):
+                if not (chunked and from_chunk(buf, offset)) and not read_idle(buf, offset):
                     read_into(memoryview(buf), offset)
             finally:
                 fetch.finish()  # also after a failed data read: it holds connections

@@ -25,6 +25,7 @@ from nbd_verity.sources import handles
 from ..serverlib import (
     MIB,
     control_request,
+    error_number,
     expect_eio,
     flip_byte,
     make_image,
@@ -327,9 +328,11 @@ def test_a_stream_with_requests_in_flight_reads_nothing_ahead_of_them(image, soc
                                                                      tmp_path, servers,
                                                                      upstreams):
     """In the parallel model a client keeping K requests of its stream in flight keeps
-    the upstream busy itself: those K reads reach the data upstream together, and nothing
-    is read beyond them (reading ahead there cost more CPU than it saved: docs/server.md);
-    the same stream one request at a time on that connection is read ahead again. The
+    the upstream busy itself: on a server that has not timed its upstream yet (so none of
+    its reads are shared in chunks: the next tests), those K reads reach the data upstream
+    together, and nothing is read beyond them (the stream's next requests' reads ahead
+    cost more CPU than they saved there: docs/server.md); the same stream one request at
+    a time on that connection is read ahead again. The
     client drains every reply before it leaves (nbdkit 1.32's parallel model aborts on a
     client that leaves with requests in flight, not on this one)."""
     server, data_log, _ = serve(image, sockdir, tmp_path, servers, upstreams, readahead=True,
@@ -445,3 +448,89 @@ def test_a_read_sent_beside_takes_a_free_connection_or_none(image, sockdir, tmp_
         assert again is not None and again.result() == expected[4096:12288]
     finally:
         source.close()
+
+
+def burst(h, offsets: list[int], size: int) -> dict[int, bytearray | int]:
+    """offsets read at once on h (size each), all answered before it returns: each
+    offset's bytes, or the errno its request failed with."""
+    bufs = {offset: nbd.Buffer(size) for offset in offsets}
+    cookies = {offset: h.aio_pread(bufs[offset], offset) for offset in offsets}
+    deadline = time.monotonic() + 60
+    while h.aio_in_flight() and time.monotonic() < deadline:
+        h.poll(1000)
+    assert not h.aio_in_flight()
+    got = {}
+    for offset, cookie in cookies.items():
+        try:
+            assert h.aio_command_completed(cookie)
+            got[offset] = bufs[offset].to_bytearray()
+        except nbd.Error as e:
+            got[offset] = error_number(e)
+    return got
+
+
+def stream_in_flight(image, sockdir, tmp_path, servers, upstreams, k: int = 8,
+                     size: int = 64 << 10):
+    """A server in the parallel model, one client: two single reads (the upstream is
+    slow: sources/latency.py), then a stream of k requests of size sent at once from 0.
+    The server, the data upstream's log, the client and what the stream got."""
+    server, data_log, _ = serve(image, sockdir, tmp_path, servers, upstreams, readahead=True,
+                                thread_model="parallel")
+    h = server.connect()
+    for block in (400, 460):  # apart: QD1 reads of the fast path, timed
+        assert h.pread(4096, block * 4096) == image.expected(block * 4096, 4096)
+    return server, data_log, h, burst(h, [i * size for i in range(k)], size)
+
+
+def test_a_stream_with_requests_in_flight_reads_them_in_shared_chunks(
+        image, sockdir, tmp_path, servers, upstreams):
+    """The stream's requests in flight together take their bytes from one read of their
+    chunk (8 requests' bytes, aligned) instead of one read each, and the next chunk's read
+    is sent with it; every byte served is the image's (the chunk's bytes are verified per
+    request as any read)."""
+    size, k = 64 << 10, 8
+    chunk = k * size
+    _, data_log, _, got = stream_in_flight(image, sockdir, tmp_path, servers, upstreams)
+    for i in range(k):
+        assert got[i * size] == image.expected(i * size, size), i
+    stream = [r for r in reads(data_log) if r[0] < 2 * chunk]
+    assert (0, chunk) in [r[:2] for r in stream], stream  # the chunk, in one read
+    assert (chunk, chunk) in [r[:2] for r in stream], stream  # and the next one
+    assert len([r for r in stream if r[0] < chunk]) < k, stream
+
+
+def test_a_bad_block_in_a_shared_chunk_fails_exactly_its_request(
+        image, sockdir, tmp_path, servers, upstreams):
+    """A damaged block in a chunk read for the stream's requests: the one request that
+    holds it fails with EIO, every other gets the image's bytes."""
+    damaged = image.copy(tmp_path / "damaged")
+    size, k = 64 << 10, 8
+    bad = 6 * size + 3 * 4096 + 9  # a byte in the seventh request
+    flip_byte(damaged.data, bad)
+    _, data_log, _, got = stream_in_flight(damaged, sockdir, tmp_path, servers, upstreams)
+    assert (0, k * size) in [r[:2] for r in reads(data_log)], reads(data_log)
+    for i in range(k):
+        if i == 6:
+            assert got[i * size] == errno.EIO
+        else:
+            assert got[i * size] == image.expected(i * size, size), i
+
+
+def test_a_chunk_sent_for_a_stream_that_stopped_gives_way_to_requests(
+        image, sockdir, tmp_path, servers, upstreams):
+    """After a stream's requests in flight, its next chunk's read is sent and nobody takes
+    it (the stream stopped): it holds a connection of the data upstream's pool, and a
+    client's 16 reads in flight at once, needing them all, are each answered with the
+    image's bytes (the chunk's read let go: its connection closed unread)."""
+    server, data_log, h, _ = stream_in_flight(image, sockdir, tmp_path, servers, upstreams)
+    chunk = 8 * (64 << 10)
+    started = [(int(m.group(5), 16), int(m.group(6), 16))
+               for m in map(READ.match, reads_started(data_log))]
+    assert (chunk, chunk) in started, started  # the next chunk's read went out
+    client = server.connect()
+    blocks = [300 + 7 * i for i in range(16)]  # far from the stream, its leaves cold
+    got = answered_within(client, {block * 4096: 4096 for block in blocks}, 30)
+    for block in blocks:
+        assert got[block * 4096] == image.expected(block * 4096, 4096)
+    for handle in (h, client):
+        handle.shutdown()
