@@ -25,7 +25,7 @@ Sources:
 
     .venv/bin/python bench/storage.py [--rounds 3] [--runtime 4] [--delays 1ms,10ms]
         [--disk] [--http 10ms] [--thread-models default,serialize-requests]
-        [--thread-models default,default+two-calls]
+        [--thread-models default,default+two-calls,default+no-chunks]
 
 `--delays 0ms` is a network source without latency (a page-cached upstream): where the
 thread model serve chooses for a network image is measured against the other one.
@@ -56,6 +56,7 @@ from fiorun import Job  # noqa: E402
 
 from nbd_verity import launch  # noqa: E402
 from nbd_verity.format.digest import NATIVE_NBD_ENV  # noqa: E402
+from nbd_verity.sources.ahead import CHUNKS_ENV  # noqa: E402
 
 WORKLOADS = (("randread", 4 << 10, 1), ("randread", 4 << 10, 16), ("randread", 64 << 10, 4),
              ("read", 128 << 10, 1), ("read", 128 << 10, 8))
@@ -115,26 +116,41 @@ def measure_delay(image: images.Image, delay: str, rounds: int, runtime: float,
 
 
 TWO_CALLS = "+two-calls"  # a model's suffix: NBD_VERITY_NATIVE_NBD=0
+NO_CHUNKS = "+no-chunks"  # ... NBD_VERITY_STREAM_CHUNKS=0
+SUFFIXES = {  # suffix: (environment, row label)
+    TWO_CALLS: ({NATIVE_NBD_ENV: "0"}, f"read and verified in two calls ({NATIVE_NBD_ENV}=0)"),
+    NO_CHUNKS: ({CHUNKS_ENV: "0"}, f"each request its own read ({CHUNKS_ENV}=0)"),
+}
+
+
+def split_model(model: str) -> tuple[str, list[str]]:
+    """A model's base (`default` or a thread model) and its suffixes, in order."""
+    base, *suffixes = model.split("+")
+    suffixes = [f"+{suffix}" for suffix in suffixes]
+    for suffix in suffixes:
+        if suffix not in SUFFIXES:
+            raise SystemExit(f"--thread-models: unknown suffix {suffix} "
+                             f"(one of {', '.join(SUFFIXES)})")
+    return base, suffixes
 
 
 def verity(served: images.Image, model: str) -> servers.Server:
     """serve in a thread model (`default`: its own choice); with TWO_CALLS, its fast path
     reads over NBD and verifies in two calls (read_idle, verify), as before the one
-    native call (Hasher.nbd_read_verify)."""
-    base = model.removesuffix(TWO_CALLS)
+    native call (Hasher.nbd_read_verify); with NO_CHUNKS, a stream's requests in flight
+    each read their own bytes, as before the shared chunks (sources/ahead.py)."""
+    base, suffixes = split_model(model)
     server = servers.verity_server("verified", served,
                                    [] if base == "default" else ["--thread-model", base])
-    if model.endswith(TWO_CALLS):
-        server.env = {**server.env, NATIVE_NBD_ENV: "0"}
+    for suffix in suffixes:
+        server.env = {**server.env, **SUFFIXES[suffix][0]}
     return server
 
 
 def model_label(model: str) -> str:
-    base = model.removesuffix(TWO_CALLS)
+    base, suffixes = split_model(model)
     text = "" if base == "default" else f", --thread-model {base}"
-    if model.endswith(TWO_CALLS):
-        text += f", read and verified in two calls ({NATIVE_NBD_ENV}=0)"
-    return text
+    return text + "".join(f", {SUFFIXES[suffix][1]}" for suffix in suffixes)
 
 
 DISK_MODELS = (("local disk, uncached", []),
@@ -260,7 +276,9 @@ def main(argv: list[str]) -> int:
                         help="verified in each of these (comma-separated; default: serve's "
                              "own choice), e.g. default,serialize-requests; a model with "
                              f"the suffix {TWO_CALLS} reads and verifies over NBD in two "
-                             f"calls ({NATIVE_NBD_ENV}=0)")
+                             f"calls ({NATIVE_NBD_ENV}=0), with {NO_CHUNKS} a stream's "
+                             f"requests in flight each read their own bytes "
+                             f"({CHUNKS_ENV}=0)")
     args = parser.parse_args(argv[1:])
     image = images.random_image(SIZE)
     rows = []
