@@ -17,15 +17,15 @@ Only when the source is slow (sources/latency.py): a fast one starts nothing.
 A stream with requests in flight together (the parallel model) reads nothing ahead of
 them that way (read/readahead.py, Readahead.deep), but its requests share reads: the fast
 path's read of such a request (serve/fastpath.py) near the last one it read (within
-CHUNK_REQUESTS requests of it) takes its bytes from its chunk (from_chunk): one read of
-CHUNK_REQUESTS requests' bytes aligned on their size (at most MAX_CHUNK_BYTES), sent with
-the next chunk's read. The first request that needs a chunk receives its read, the
-others wait for it; each copies its own bytes out, verified by the fast path as any
-read. The storage sees a few large reads instead of many small ones, as the kernel's
-block layer merges a stream's requests; the NBD upstream's CPU per request was the
-difference (Debian 13, 1 ms, a 128 KiB stream at QD8: the upstream's CPU 92-103 -> 54-62
-us a request). A chunk whose read failed or could not be sent fails nobody: its requests
-read their bytes themselves.
+CHUNK_REQUESTS requests of it, as that one was of its own: STREAK) takes its bytes from
+its chunk (from_chunk): one read of CHUNK_REQUESTS requests' bytes aligned on their size
+(at most MAX_CHUNK_BYTES), sent with the next chunk's read. The first request that needs
+a chunk receives its read, the others wait for it; each copies its own bytes out,
+verified by the fast path as any read. The storage sees a few large reads instead of
+many small ones, as the kernel's block layer merges a stream's requests; the NBD
+upstream's CPU per request was the difference (Debian 13, 1 ms, a 128 KiB stream at
+QD8: the upstream's CPU 92-103 -> 54-62 us a request). A chunk whose read failed or
+could not be sent fails nobody: its requests read their bytes themselves.
 Invariants: at most MAX_STAGED reads and MAX_STAGED_BYTES staged, and MAX_CHUNKS chunks
 (each read received by one thread, or let go: its connection closed unread); one taken is
 gone; the oldest not taken is dropped first (a sent one abandoned: its connection closed
@@ -56,6 +56,10 @@ WAIT_SLICE_S = 0.25  # a staged read is waited for in slices, after each stoppin
 CHUNK_REQUESTS = 8  # a stream's requests whose bytes one chunk read brings (a client's QD8)
 MAX_CHUNK_BYTES = 1 << 20  # ... at most this many (fewer requests per chunk if larger)
 MAX_CHUNKS = 8  # chunks kept, all streams together (the oldest let go first)
+# reads in a row each near the one before that make a stream: one near by chance (4 KiB
+# or 64 KiB random reads, one in 200 within 8 requests of the last) read a chunk, 7% more
+# bytes from the upstream at 64 KiB QD4; two in a row by chance are one in 40000
+STREAK = 2
 CHUNKS_ENV = "NBD_VERITY_STREAM_CHUNKS"  # 0: every request reads its own bytes (measuring)
 
 
@@ -79,6 +83,7 @@ class AheadSource:
         self._read_verify_idle = getattr(source, "read_verify_idle", None)  # ... and this
         self._closed = False
         self._seen_end = -1  # where the last fast-path read ended (a stream's next one near)
+        self._streak = 0  # fast-path reads in a row near the one before
         # chunks of streams with requests in flight: start -> _Chunk, the oldest first
         self._chunks: OrderedDict = OrderedDict()
         self._chunk_lock = threading.Lock()
@@ -186,14 +191,16 @@ class AheadSource:
 
     def _from_chunk(self, buf, offset: int) -> bool:
         """buf's bytes from its chunk, if it continues a stream on a slow source (within
-        CHUNK_REQUESTS requests of the last fast-path read, the chunk not past
-        MAX_CHUNK_BYTES, buf inside one chunk): True once buf holds them (unverified);
-        False, having done nothing, if it is none of those, or its chunk's read failed
-        (the request then reads them itself). The next chunk's read is sent too."""
+        CHUNK_REQUESTS requests of the last fast-path read, which was so too: STREAK; the
+        chunk not past MAX_CHUNK_BYTES, buf inside one chunk): True once buf holds them
+        (unverified); False, having done nothing, if it is none of those, or its chunk's
+        read failed (the request then reads them itself). The next chunk's read is sent
+        too."""
         length = len(buf)
         seen, self._seen_end = self._seen_end, offset + length
-        if seen < 0 or abs(offset - seen) > CHUNK_REQUESTS * length \
-                or not self.latency.slow():
+        near = seen >= 0 and abs(offset - seen) <= CHUNK_REQUESTS * length
+        self._streak = streak = self._streak + 1 if near else 0
+        if streak < STREAK or not self.latency.slow():
             return False
         size = min(CHUNK_REQUESTS, MAX_CHUNK_BYTES // length) * length
         start = offset - offset % size if size >= 2 * length else -1
@@ -293,10 +300,12 @@ class AheadSource:
 
     def reclaim(self, before: float | None) -> bool:
         """Free connections that reads sent ahead hold (NbdSource asks); whether any was.
-        None: a request needs one now: the oldest sent read is received (its reply has
-        been on its way longest) and stays staged, done. A time: the reads sent before
-        it and never taken are let go (a stream that stopped)."""
-        if self._let_go_chunks(before):
+        None: a request needs one now: the oldest chunk's read nobody waits for is let
+        go, else the oldest sent read is received (its reply has been on its way
+        longest) and stays staged, done. A time: the chunks' reads and the reads sent
+        before it and never taken are let go (a stream that stopped)."""
+        chunks = self._let_go_chunks(before)  # chunks' reads nobody waits for first
+        if chunks and before is None:
             return True
         with self._lock:
             sent = [(key, since) for key, (read, since) in self._staged.items()
@@ -320,7 +329,7 @@ class AheadSource:
                     self._staged[key] = (_Done(data), since)
                     self._staged.move_to_end(key, last=False)  # still the oldest
                     self._bytes += key[1]
-        return bool(gone)
+        return bool(gone) or chunks
 
     def _let_go_chunks(self, before: float | None) -> bool:
         """Let go of chunk reads sent and not received (their connections closed unread):

@@ -534,3 +534,25 @@ def test_a_chunk_sent_for_a_stream_that_stopped_gives_way_to_requests(
         assert got[block * 4096] == image.expected(block * 4096, 4096)
     for handle in (h, client):
         handle.shutdown()
+
+
+def test_a_chunk_nobody_takes_lets_its_connection_go_after_a_while(
+        image, sockdir, tmp_path, servers, upstreams):
+    """The next chunk's read of a stream that stopped is let go after 5 s, as reads sent
+    ahead are (sources/remote.py IDLE_S): its connection to the data upstream closes,
+    so that an upstream stopping can exit; the client is served as before."""
+    _, data_log, h, _ = stream_in_flight(image, sockdir, tmp_path, servers, upstreams)
+    chunk = 8 * (64 << 10)
+    (carrier,) = [m.group(2) for m in map(READ.match, reads_started(data_log))
+                  if (int(m.group(5), 16), int(m.group(6), 16)) == (chunk, chunk)]
+    deadline = time.monotonic() + 15
+    closed = f"{carrier} Disconnect"
+    while time.monotonic() < deadline:
+        with open(data_log) as f:
+            if any(closed in line for line in f):
+                break
+        time.sleep(0.25)
+    with open(data_log) as f:
+        assert any(closed in line for line in f), f"{carrier} still open"
+    assert h.pread(4096, 200 * 4096) == image.expected(200 * 4096, 4096)
+    h.shutdown()
