@@ -24,7 +24,7 @@ a chunk receives its read, the others wait for it; each copies its own bytes out
 verified by the fast path as any read. The storage sees a few large reads instead of
 many small ones, as the kernel's block layer merges a stream's requests; the NBD
 upstream's CPU per request was the difference (Debian 13, 1 ms, a 128 KiB stream at
-QD8: the upstream's CPU 92-103 -> 54-62 us a request). A chunk whose read failed or
+QD8: the upstream's CPU 80-103 -> 51-66 us a request). A chunk whose read failed or
 could not be sent fails nobody: its requests read their bytes themselves.
 Invariants: at most MAX_STAGED reads and MAX_STAGED_BYTES staged, and MAX_CHUNKS chunks
 (each read received by one thread, or let go: its connection closed unread); one taken is
