@@ -34,7 +34,9 @@ unread); a taken read's buffer (and a chunk's all requests took) is reused
 The latency is sampled by the reads not staged (a staged read's time is its stream's,
 not its source's) and by the chunks' reads.
 Locking: one lock guards the staged reads, another the chunks (each chunk's condition is
-on it); neither is held during I/O; the latency is Latency's (one float).
+on it); neither is held during I/O; the latency is Latency's (one float); where the last
+fast-path read ended and the streak are not locked (a race costs a chunk not read, or
+one read for a request that reads its own bytes after all).
 """
 
 from __future__ import annotations
