@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from . import harness
 from .guestkernel import (
     GuestKernel,
     builtin_modules,
@@ -30,6 +31,15 @@ def test_failing_scenario_raises_with_console_log(e2e_host, tmp_path: Path):
     assert "failed with status 1" in message
     assert "scenario-marker-42" in message
     assert "never-here" not in message
+
+
+def test_a_guest_without_init_is_booted_once_more(e2e_host, tmp_path: Path, monkeypatch):
+    # No guest reaches init in 10 ms: the first is stopped, the second runs the scenario.
+    monkeypatch.setattr(harness, "INIT_TIMEOUT_S", 0.01)
+    run = boot_guest("echo scenario-marker-43\n", [], tmp_path)
+    assert "scenario-marker-43" in run.console
+    assert harness.INIT_LINE not in (tmp_path / "console.no-init.log").read_text(errors="replace")
+    assert "booted again" in harness.BOOTS[-1]
 
 
 @pytest.mark.parametrize(("data_blocks", "k", "expected"), [
