@@ -52,9 +52,13 @@
  * syscall, GIL held, and every other request waits for it. Measured with 4 KiB random
  * reads from one connection at QD16 on an uncached disk (2 cores): bench/passthrough.py
  * with such a first read added gets 0.45-0.51 of nbdkit's C file plugin, as it is
- * 0.67-0.74. Then it asks again: a page-cached workload keeps its reads under the GIL. */
+ * 0.67-0.74. Then it asks once: a cached answer ends the skipping (a page-cached workload
+ * keeps its reads under the GIL), a miss skips twice as many reads as the last time, up to
+ * NOWAIT_SKIP_MAX. With 4 asks in every 68 reads, those asks held the GIL for about 40% of
+ * the time any thread held it (py-spy --gil, the same workload served by nbd-verity). */
 #define NOWAIT_MISSES 4
 #define NOWAIT_SKIP 64
+#define NOWAIT_SKIP_MAX 4096
 
 typedef struct {
     PyObject_HEAD
@@ -71,6 +75,7 @@ typedef struct {
     int nowait_refused;  /* preadv2 said RWF_NOWAIT is not supported here: never again ask */
     int nowait_misses;   /* RWF_NOWAIT reads in a row that found their pages not cached */
     int nowait_skip;     /* short reads left that go to the disk without asking first */
+    int nowait_backoff;  /* the last skip's length while asks keep missing; 0: not skipping */
 } Hasher;
 
 static int next_pow2(int n)
@@ -526,11 +531,16 @@ static PyObject *Hasher_read_verify(Hasher *self, PyObject *const *args, Py_ssiz
         if (n < 0 && errno == EOPNOTSUPP)
             self->nowait_refused = 1;
         got = n > 0 ? (size_t)n : 0;
-        if (got == size)
+        if (got == size) {
             self->nowait_misses = 0;
-        else if (++self->nowait_misses >= NOWAIT_MISSES) {
+            self->nowait_backoff = 0;
+        } else if (self->nowait_backoff > 0) {  /* the one ask after a skip missed too */
+            if (self->nowait_backoff < NOWAIT_SKIP_MAX)
+                self->nowait_backoff *= 2;
+            self->nowait_skip = self->nowait_backoff;
+        } else if (++self->nowait_misses >= NOWAIT_MISSES) {
             self->nowait_misses = 0;
-            self->nowait_skip = NOWAIT_SKIP;
+            self->nowait_skip = self->nowait_backoff = NOWAIT_SKIP;
         }
     }
     int hashed = 0;

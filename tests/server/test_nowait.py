@@ -2,7 +2,8 @@
 here nbdfuse over nbdkit's file plugin) is not asked again by that hasher, and a file
 that takes it is asked on every short read whose pages are cached. A file whose pages
 are not cached (NOWAIT_MISSES short answers in a row) is read for the next NOWAIT_SKIP
-short reads without asking, then asked again. The preadv2 calls are counted by strace."""
+short reads without asking, then asked once: a miss skips twice as many reads as the last
+time, a cached answer ends the skipping. The preadv2 calls are counted by strace."""
 
 from __future__ import annotations
 
@@ -24,31 +25,32 @@ NOWAIT_MISSES, NOWAIT_SKIP = 4, 64  # _native.c's
 SCRIPT = """
 import os, sys
 from nbd_verity.format.digest import Digester
-path, evict = sys.argv[1], sys.argv[2] == "evict"
+path, evicted, cached = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 d = Digester("sha256", b"salt", 1)
 fd = os.open(path, os.O_RDONLY)
 buf = bytearray(4096)
-for i in range({reads}):
+for i in range(evicted + cached):
     at = (i % 256) * 4096
     want = d.digest(os.pread(fd, 4096, at))
-    if evict:  # the block's pages leave the page cache: read_verify must go to the disk
+    if i < evicted:  # the block's pages leave the page cache: read_verify goes to the disk
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     assert d.native.read_verify(fd, buf, at, 4096, want) == -1
-if evict:  # a block read from the disk that does not match: its index, as from the cache
-    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    assert d.native.read_verify(fd, buf, 4096, 4096, d.digest(bytes(4096))) == 0
+    if i == evicted - 1:  # a block read from the disk that does not match: its index
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        assert d.native.read_verify(fd, buf, 4096, 4096, d.digest(bytes(4096))) == 0
 print(d.native.nowait_refused)
 """
 
 
 def preadv2_calls(path: Path, tmp_path: Path, reads: int = READS,
-                  evict: bool = False) -> tuple[int, str]:
-    """(preadv2 calls of `reads` short read_verify calls on path, each of a block cached
-    just before or, with evict, evicted just before; nowait_refused)."""
+                  evicted: int = 0) -> tuple[int, str]:
+    """(preadv2 calls of `evicted` short read_verify calls on path, each of a block evicted
+    from the page cache just before (then one of a block that does not match), then
+    `reads` of a block cached just before; nowait_refused)."""
     trace = tmp_path / "trace"
     run = subprocess.run(["strace", "-f", "-e", "trace=preadv2", "-o", str(trace),
-                          sys.executable, "-c", SCRIPT.format(reads=reads), str(path),
-                          "evict" if evict else "keep"],
+                          sys.executable, "-c", SCRIPT, str(path), str(evicted),
+                          str(reads)],
                          capture_output=True, text=True, timeout=120, check=False)
     assert run.returncode == 0, run.stderr
     return trace.read_text().count("preadv2("), run.stdout.strip()
@@ -90,9 +92,12 @@ def test_a_file_not_in_the_page_cache_is_read_without_asking_then_asked_again(tm
     if refused == "1":
         pytest.skip("this file system refuses RWF_NOWAIT")
     assert calls == READS  # cached: asked every time
-    # Two rounds of NOWAIT_MISSES asks, each followed by NOWAIT_SKIP reads that do not
-    # ask, then the script's read of a block that does not match, which asks again
-    # (and gets the block's index, as from the page cache); every read verified.
-    reads = 2 * (NOWAIT_MISSES + NOWAIT_SKIP)
-    calls, _ = preadv2_calls(data, tmp_path, reads, evict=True)
-    assert calls == 2 * NOWAIT_MISSES + 1
+    # Evicted: NOWAIT_MISSES asks, NOWAIT_SKIP reads that do not ask, one ask (a miss),
+    # twice as many that do not, one ask (a miss): 6 asks, and 4 * NOWAIT_SKIP reads
+    # left to skip. The block that does not match is one of them (its index, as from
+    # the page cache). Then cached reads: the skip's last reads do not ask, the first
+    # that asks is answered from the cache, and from there every read asks again.
+    evicted = NOWAIT_MISSES + NOWAIT_SKIP + 1 + 2 * NOWAIT_SKIP + 1
+    calls, _ = preadv2_calls(data, tmp_path, reads=4 * NOWAIT_SKIP - 1 + 10,
+                             evicted=evicted)
+    assert calls == NOWAIT_MISSES + 2 + 10
