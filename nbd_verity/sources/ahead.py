@@ -23,9 +23,9 @@ its chunk (from_chunk): one read of CHUNK_REQUESTS requests' bytes aligned on th
 a chunk receives its read, the others wait for it; each copies its own bytes out,
 verified by the fast path as any read. The storage sees a few large reads instead of
 many small ones, as the kernel's block layer merges a stream's requests; the NBD
-upstream's CPU per request was the difference (Debian 13, 1 ms, a 128 KiB stream at
-QD8: the upstream's CPU 80-103 -> 51-66 us a request). A chunk whose read failed or
-could not be sent fails nobody: its requests read their bytes themselves.
+upstream's CPU per request was the difference (docs/decisions/fastpath.md). A chunk
+whose read failed or could not be sent fails nobody: its requests read their bytes
+themselves.
 Invariants: at most MAX_STAGED reads and MAX_STAGED_BYTES staged, and MAX_CHUNKS chunks
 (each read received by one thread, or let go: its connection closed unread); one taken is
 gone; the oldest not taken is dropped first (a sent one abandoned: its connection closed
