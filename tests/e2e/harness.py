@@ -20,7 +20,8 @@ Nothing listens on the network and nothing leaves the machine (restrict=on; the 
 out of the guest is the guestfwd rules). Every process is started here and stopped by its
 own pid, never by name. A guest that does not finish raises GuestFailed with its console
 log; nothing here skips. A guest whose init does not come up in INIT_TIMEOUT_S is booted
-once more (its console kept as console.no-init.log, the boot named so in BOOTS).
+once more (its console kept as console.no-init.log, the boot named so in BOOTS); an
+interrupt during that wait stops the guest.
 """
 
 from __future__ import annotations
@@ -220,7 +221,12 @@ class LiveGuest:
                       *qemu_argv(guest_system(), disks, work, ports)]
         self._recorded = False
         self._launch()
-        if not self._init_up(INIT_TIMEOUT_S):
+        try:  # an interrupt while waiting stops the guest (not left to its timeout)
+            up = self._init_up(INIT_TIMEOUT_S)
+        except BaseException:
+            self.stop()
+            raise
+        if not up:
             self.stop()
             self._console_path.rename(work / "console.no-init.log")
             self._recorded = False

@@ -7,7 +7,9 @@ import hashlib
 import lzma
 import socket
 import struct
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -40,6 +42,34 @@ def test_a_guest_without_init_is_booted_once_more(e2e_host, tmp_path: Path, monk
     assert "scenario-marker-43" in run.console
     assert harness.INIT_LINE not in (tmp_path / "console.no-init.log").read_text(errors="replace")
     assert "booted again" in harness.BOOTS[-1]
+
+
+class _Interrupted(BaseException):
+    """As an interrupt (Ctrl-C, a test's timeout) arrives: not an Exception."""
+
+
+def test_an_interrupt_while_waiting_for_init_stops_the_guest(e2e_host, tmp_path: Path,
+                                                              monkeypatch):
+    # The first pause of the wait for init raises: the QEMU launched is stopped then,
+    # not left running to its own timeout.
+    launched = []
+    launch = harness.LiveGuest._launch
+
+    def recording_launch(guest) -> None:
+        launch(guest)
+        launched.append(guest._proc)
+
+    def interrupted(_seconds: float) -> None:
+        raise _Interrupted()
+
+    monkeypatch.setattr(harness.LiveGuest, "_launch", recording_launch)
+    monkeypatch.setattr(harness, "time", SimpleNamespace(monotonic=time.monotonic,
+                                                         sleep=interrupted))
+    with pytest.raises(_Interrupted):
+        harness.LiveGuest("echo never-run\n", [], tmp_path)
+    assert len(launched) == 1
+    assert launched[0].poll() is not None  # stopped, and waited for
+    assert not (tmp_path / "exit-status").exists()
 
 
 @pytest.mark.parametrize(("data_blocks", "k", "expected"), [
