@@ -25,7 +25,11 @@ Sources:
 
     .venv/bin/python bench/storage.py [--rounds 3] [--runtime 4] [--delays 1ms,10ms]
         [--disk] [--http 10ms] [--thread-models default,serialize-requests]
-        [--thread-models default,default+two-calls,default+no-chunks]
+        [--thread-models default,default+two-calls,default+no-chunks] [--baseline DIR]
+
+With --baseline DIR (a checkout of an earlier commit, its extensions built in place:
+`python setup.py build_ext --inplace` there), each delay row's thread models are served
+by that checkout too, in the same rounds: a change's before and after from one run.
 
 `--delays 0ms` is a network source without latency (a page-cached upstream): where the
 thread model serve chooses for a network image is measured against the other one.
@@ -115,6 +119,8 @@ def measure_delay(image: images.Image, delay: str, rounds: int, runtime: float,
     return rows
 
 
+BASELINE = "+baseline"  # a model's suffix: served by the --baseline checkout
+baseline_dir: Path | None = None  # --baseline
 TWO_CALLS = "+two-calls"  # a model's suffix: NBD_VERITY_NATIVE_NBD=0
 NO_CHUNKS = "+no-chunks"  # ... NBD_VERITY_STREAM_CHUNKS=0
 SUFFIXES = {  # suffix: (environment, row label)
@@ -128,6 +134,8 @@ def split_model(model: str) -> tuple[str, list[str]]:
     base, *suffixes = model.split("+")
     suffixes = [f"+{suffix}" for suffix in suffixes]
     for suffix in suffixes:
+        if suffix == BASELINE and baseline_dir is not None:
+            continue
         if suffix not in SUFFIXES:
             raise SystemExit(f"--thread-models: unknown suffix {suffix} "
                              f"(one of {', '.join(SUFFIXES)})")
@@ -143,14 +151,25 @@ def verity(served: images.Image, model: str) -> servers.Server:
     server = servers.verity_server("verified", served,
                                    [] if base == "default" else ["--thread-model", base])
     for suffix in suffixes:
-        server.env = {**server.env, **SUFFIXES[suffix][0]}
+        if suffix == BASELINE:
+            server.env = {**server.env, "PYTHONPATH": str(baseline_dir)}
+        else:
+            server.env = {**server.env, **SUFFIXES[suffix][0]}
     return server
 
 
 def model_label(model: str) -> str:
     base, suffixes = split_model(model)
     text = "" if base == "default" else f", --thread-model {base}"
-    return text + "".join(f", {SUFFIXES[suffix][1]}" for suffix in suffixes)
+    return text + "".join(f", the baseline ({baseline_label()})" if suffix == BASELINE
+                          else f", {SUFFIXES[suffix][1]}" for suffix in suffixes)
+
+
+def baseline_label() -> str:
+    """The --baseline checkout by its commit (its directory if it has none)."""
+    commit = subprocess.run(["git", "-C", str(baseline_dir), "rev-parse", "--short", "HEAD"],
+                            capture_output=True, text=True, check=False).stdout.strip()
+    return commit or str(baseline_dir)
 
 
 DISK_MODELS = (("local disk, uncached", []),
@@ -279,12 +298,21 @@ def main(argv: list[str]) -> int:
                              f"calls ({NATIVE_NBD_ENV}=0), with {NO_CHUNKS} a stream's "
                              f"requests in flight each read their own bytes "
                              f"({CHUNKS_ENV}=0)")
+    parser.add_argument("--baseline", type=Path, metavar="DIR",
+                        help="each delay row's thread models served by this checkout too "
+                             "(its extensions built in place), in the same rounds")
     args = parser.parse_args(argv[1:])
+    models = args.thread_models.split(",")
+    if args.baseline is not None:
+        global baseline_dir
+        if not (args.baseline / "nbd_verity").is_dir():
+            parser.error(f"--baseline {args.baseline}: not a checkout (no nbd_verity/ in it)")
+        baseline_dir = args.baseline.resolve()
+        models += [model + BASELINE for model in models]
     image = images.random_image(SIZE)
     rows = []
     for delay in filter(None, args.delays.split(",")):
-        rows += measure_delay(image, delay, args.rounds, args.runtime,
-                              args.thread_models.split(","))
+        rows += measure_delay(image, delay, args.rounds, args.runtime, models)
     if args.http:
         rows += measure_http(image, args.http, args.rounds, args.runtime)
     if args.disk:

@@ -47,7 +47,7 @@ from nbd_verity.prepare.config import (
 from nbd_verity.read.counters import RESTART_ON_CORRUPTION
 from nbd_verity.schedule import gate
 from nbd_verity.serve import device, nbdkit_compat, threadstate
-from nbd_verity.sources import resident
+from nbd_verity.sources import remote, resident
 
 API_VERSION = 2
 __all__ = ["API_VERSION", "after_fork", "block_size", "cache", "can_cache", "can_multi_conn",
@@ -246,6 +246,7 @@ def get_ready():
 
 
 def after_fork():
+    remote.forked()  # nbdkit's fork is not Python's: the NBD sources' reapers start anew
     logbound.install(_config.log_rate, _log_totals)
     _server.start_threads()
 

@@ -26,8 +26,11 @@ served. What this module adds is the failure model of a network:
 - a connection idle for IDLE_S is closed (by a thread of the pool's, started with the first read
   in the process that serves): an upstream stopped with SIGTERM while nobody read cannot exit
   while we hold its connection, and one that is not stopping costs a handshake at the next read.
-The pool's lock guards the idle list, the number of open connections and the counters; it is
-never held during I/O.
+The pool's lock guards the number of open connections, the waiters and the counters; it is
+never held during I/O. The idle list is changed only by single list operations (append, pop,
+remove), each atomic under the GIL, so that a request takes and gives back its connection
+without the lock (a request's bookkeeping held the GIL a quarter longer with it, and 16
+threads waited for it more: docs/benchmarks.md, "The pool's lock off the request's way").
 """
 
 from __future__ import annotations
@@ -133,6 +136,18 @@ def _never() -> bool:
     return False
 
 
+_pid = [os.getpid()]  # this process's pid, without a system call per give-back
+
+
+def forked() -> None:
+    """After a fork: this process's pid anew (os.fork calls it; nbdkit's own fork, when
+    it goes into the background, is not Python's: serve's after_fork calls it)."""
+    _pid[0] = os.getpid()
+
+
+os.register_at_fork(after_in_child=forked)
+
+
 class _Shutdown(ImageIOError):
     """The server answered ESHUTDOWN: it is stopping, and this connection is dead."""
 
@@ -150,11 +165,15 @@ class NbdSource:
         self.reconnects = 0  # connections opened to replace a dropped one
         self._lock = threading.Lock()
         self._free = threading.Condition(self._lock)
-        self._idle: list = []  # (handle, idle since, monotonic), the newest last
+        # (handle, idle since, monotonic), the newest last; never replaced, changed only
+        # by append, pop and remove (atomic under the GIL: taken and given back unlocked)
+        self._idle: list = []
+        self._waiting = 0  # threads in _take's wait (a give-back then notifies them)
         self._open = 0  # connections in existence (idle or in use)
         self._dropped = False  # a connection was lost since the last one was opened
         self._drain_until = 0.0  # after an ESHUTDOWN: keep no connection idle until then
         self._closed = threading.Event()  # close(): every wait ends, no read starts
+        self._closing = False  # set just before _closed: read by every give-back
         first = self._connect()  # start-up: a refused connection is a clear error here
         self._size = first.get_size()
         self.multi_conn = bool(first.can_multi_conn())
@@ -167,7 +186,8 @@ class NbdSource:
         self._pipe = None if self.multi_conn else Pipe(self, first, IDLE_S)
         if self.multi_conn:
             self._idle.append((first, time.monotonic()))
-        self._reaper_pid = 0  # the process whose reaper thread runs (none survives a fork)
+        self._reaper_pid = 0  # the process whose reaper thread runs (none survives a fork:
+        # it is started anew by the first give-back after one, which forked() tells)
         # who holds connections with reads sent and not yet taken (sources/ahead.py):
         # lender.reclaim(before) lets go of those sent before `before` (None: receives
         # the oldest one), and says whether it freed any
@@ -211,31 +231,25 @@ class NbdSource:
     def _take(self, wait: bool = True):
         """An idle connection, a new one (up to the limit), or wait for one (wait False:
         None rather than wait)."""
-        with self._free:
-            if not wait and not self._closed.is_set() and not self._idle and \
-                    self._open >= self.max_connections:
-                return None
-            while self._closed.is_set() or (not self._idle and
-                                            self._open >= self.max_connections):
-                if self.lender is not None and not self._closed.is_set():
-                    self._free.release()  # reads sent ahead give way to this one
-                    try:
-                        freed = self.lender.reclaim(None)
-                    finally:
-                        self._free.acquire()
-                    if freed:
-                        continue
-                # in slices, as _wait: a server stopping ends this wait too
-                if self._closed.is_set() or (not self._free.wait(POLL_SLICE_MS / 1000)
-                                             and self.stopping()):
+        while True:
+            with self._free:
+                if self._closed.is_set():
                     self.source_errors += 1
                     raise ImageIOError(f"{self.role}: {redacted(self.path)}: abandoned, "
                                        f"the server is stopping")
-            if self._idle:
-                return self._idle.pop()[0]
-            self._open += 1
-            replacing = self._dropped
-            self._dropped = False
+                if self._idle:
+                    try:  # a request taking one unlocked may have been first
+                        return self._idle.pop()[0]
+                    except IndexError:
+                        continue
+                if self._open < self.max_connections:
+                    self._open += 1
+                    replacing = self._dropped
+                    self._dropped = False
+                    break
+                if not wait:
+                    return None
+                self._wait_for_one()
         try:
             h = self._connect()
         except ImageIOError:
@@ -250,24 +264,61 @@ class NbdSource:
                 self.reconnects += 1
         return h
 
+    def _wait_for_one(self) -> None:
+        """With the lock held, none idle and every connection open: let reads sent ahead
+        give way (the lender), else wait one poll slice for a give-back; ImageIOError
+        when the server is stopping. _waiting is counted before the idle list is looked at
+        again, so that a connection given back unlocked after that look notifies."""
+        if self.lender is not None:
+            self._free.release()  # reads sent ahead give way to this one
+            try:
+                freed = self.lender.reclaim(None)
+            finally:
+                self._free.acquire()
+            if freed:
+                return
+        self._waiting += 1
+        try:
+            if self._idle or self._closed.is_set():
+                return
+            # in slices, as _wait: a server stopping ends this wait too
+            if not self._free.wait(POLL_SLICE_MS / 1000) and self.stopping():
+                self.source_errors += 1
+                raise ImageIOError(f"{self.role}: {redacted(self.path)}: abandoned, "
+                                   f"the server is stopping")
+        finally:
+            self._waiting -= 1
+
     def _give_back(self, h, broken: bool) -> None:
         """Return a connection to the pool, or close it if it can no longer be trusted to
         answer (dropped, timed out with a request in flight). For DRAIN_S after a server
         said it is shutting down, every connection is closed after its request: one opened
-        meanwhile may be to that same dying server, which cannot exit while we hold it."""
-        broken = broken or time.monotonic() < self._drain_until or self._closed.is_set()
-        if broken:
-            _close(h)
+        meanwhile may be to that same dying server, which cannot exit while we hold it.
+        The common give-back takes no lock: one append, and the lock only to notify a
+        waiter (_wait_for_one) or to start this process's reaper."""
+        now = time.monotonic()
+        if not broken and now >= self._drain_until and not self._closing:
+            self._idle.append((h, now))
+            if self._closing:  # closed meanwhile: close() may have missed it
+                for stale in self._take_idle(float("inf")):
+                    _close(stale)
+            if self._waiting or self._reaper_pid != _pid[0]:
+                self._notify_idle()
+            return
+        _close(h)
         with self._free:
-            if broken:
-                self._open -= 1
-                self._dropped = True
-            else:
-                self._idle.append((h, time.monotonic()))
+            self._open -= 1
+            self._dropped = True
+        self._notify_idle()  # a waiter may open one in its place
+
+    def _notify_idle(self) -> None:
+        """A connection was given back (or closed): wake a waiter; the first give-back in
+        this process starts its one reaper."""
+        with self._free:
             self._free.notify()
-            reaper = self._reaper_pid != os.getpid() and not self._closed.is_set()
-            if reaper:  # the first give-back in this process starts its one reaper
-                self._reaper_pid = os.getpid()
+            reaper = self._reaper_pid != _pid[0] and not self._closed.is_set()
+            if reaper:
+                self._reaper_pid = _pid[0]
         if reaper:
             threading.Thread(target=self._reap, name="nbd-source-idle", daemon=True).start()
 
@@ -283,9 +334,14 @@ class NbdSource:
     def _take_idle(self, before: float) -> list:
         """Take the connections idle since before from the pool; the caller closes them."""
         with self._free:
-            stale = [h for h, since in self._idle if since <= before]
+            stale = []
+            for entry in [e for e in self._idle if e[1] <= before]:
+                try:  # a request may have taken it meanwhile, unlocked
+                    self._idle.remove(entry)
+                except ValueError:
+                    continue
+                stale.append(entry[0])
             if stale:
-                self._idle = [(h, since) for h, since in self._idle if since > before]
                 self._open -= len(stale)
                 self._free.notify(len(stale))  # a waiter may open one in their place
         return stale
@@ -327,22 +383,41 @@ class NbdSource:
         index of the first that differs), or UNCHECKED when buf holds the bytes
         unverified (no reply within the slice: read_idle's wait from then on; or read
         again after a server said it stops); or read_idle's ImageIOError."""
-        return self._on_idle(buf, offset, self._read_verified,
-                             (hasher, block_size, slots, at))
+        if self._pipe is not None or offset + len(buf) > self._size or \
+                len(buf) > self._max_read:
+            return None
+        try:  # unlocked: one pop, atomic under the GIL
+            h = self._idle.pop()[0]
+        except IndexError:
+            return None
+        try:
+            got = hasher.nbd_read_verify(h._o, buf, offset, block_size, slots, at,
+                                         POLL_SLICE_MS)
+        except BaseException:
+            self._give_back(h, True)
+            raise
+        if got.__class__ is int:  # the common answer: no frame but the give-back's
+            self._give_back(h, False)
+            return got
+        return self._on_taken(h, buf, offset, self._settle, (got,))
 
     def _on_idle(self, buf, offset: int, read, args: tuple):
         """read(h, buf, offset, *args) on a connection idle now: None, having done
         nothing, when there is none (or the read is longer than one request, or the
-        connections are a pipe); else what read returned, UNCHECKED after one more try on
-        a new connection (a server said it stops), or the ImageIOError (counted; the
-        connection closed if broken, else given back)."""
+        connections are a pipe); else _on_taken's answer."""
         if self._pipe is not None or offset + len(buf) > self._size or \
                 len(buf) > self._max_read:
             return None
-        with self._lock:
-            if not self._idle:
-                return None
+        try:  # unlocked: one pop, atomic under the GIL
             h = self._idle.pop()[0]
+        except IndexError:
+            return None
+        return self._on_taken(h, buf, offset, read, args)
+
+    def _on_taken(self, h, buf, offset: int, read, args: tuple):
+        """read(h, buf, offset, *args) on h, taken from the idle ones: what read returned,
+        UNCHECKED after one more try on a new connection (a server said it stops), or the
+        ImageIOError (counted; the connection closed if broken, else given back)."""
         broken = again = True
         try:
             got = read(h, buf, offset, *args)
@@ -371,14 +446,10 @@ class NbdSource:
             raise _read_error(e.errnum, e.string, self._where(offset)) from None
         return UNCHECKED
 
-    def _read_verified(self, h, buf, offset: int, hasher, block_size: int, slots,
-                       at: int) -> int:
-        """The read and its check in one native call: the verdict, UNCHECKED after a
-        slice without a reply (then waited for as _read_in_slices waits), or
-        ImageIOError."""
-        got = hasher.nbd_read_verify(h._o, buf, offset, block_size, slots, at, POLL_SLICE_MS)
-        if got.__class__ is int:
-            return got
+    def _settle(self, h, buf, offset: int, got: tuple) -> int:
+        """What nbd_read_verify answered other than a verdict: the read in flight after a
+        slice without a reply (then waited for as _read_in_slices waits: UNCHECKED), or
+        its failure (errno, message) as ImageIOError."""
         if len(got) == 1:  # in flight after a slice: the deadline and stopping()
             self._finish(h, got[0], offset)
             return UNCHECKED
@@ -528,6 +599,7 @@ class NbdSource:
             self.source_errors = self.reconnects = 0
 
     def close(self) -> None:
+        self._closing = True
         self._closed.set()
         if self._pipe is not None:
             self._pipe.close()

@@ -8,6 +8,7 @@ starts), as a wedged or malicious server would.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import signal
@@ -16,20 +17,25 @@ import subprocess
 import threading
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import nbd
 import pytest
 
+from nbd_verity.launch import NBDKIT
 from nbd_verity.sources.remote import IDLE_S
 
 from .serverlib import (
     MIB,
+    PLUGIN,
+    PROJECT,
     close_handle,
     control_request,
     error_number,
     expect_eio,
     make_image,
     random_bytes,
+    server_env,
 )
 from .upstreams import NbdkitFile
 
@@ -179,6 +185,50 @@ def test_an_upstream_stopped_with_sigterm_while_nobody_reads_exits(image, upstre
     assert h.pread(CHUNK, CHUNK) == image.expected(CHUNK, CHUNK)
     counts = totals(control)
     assert counts["source_errors"] == 0 and counts["corruptions"] == 0, counts
+
+
+def test_a_server_gone_into_the_background_closes_idle_connections(image, sockdir,
+                                                                    tmp_path):
+    """nbdkit without -f forks after get_ready, where the hash upstream was already read
+    (the superblock): that fork is not Python's, and the process that serves starts its
+    own reaper all the same, so an upstream stopped while nobody reads exits."""
+    hashes = NbdkitFile(image.hash, sockdir, "hup").start()
+    data = NbdkitFile(image.data, sockdir, "dup").start()
+    sock, pid_file = os.path.join(sockdir, "bg.sock"), os.path.join(sockdir, "bg.pid")
+    pairs = replace(image, data=data.uri, hash=hashes.uri).pairs(source_timeout=TIMEOUT_S)
+    log = tmp_path / "bg.log"
+    with open(log, "wb") as log_f:
+        subprocess.run([NBDKIT, "-r", "-U", sock, "-P", pid_file, "python", str(PLUGIN),
+                        *[f"{k}={v}" for k, v in pairs]],
+                       stdout=log_f, stderr=subprocess.STDOUT, timeout=60, check=True,
+                       env={**server_env(), "PYTHONPATH": str(PROJECT)})
+    pid = 0
+    try:
+        deadline = time.monotonic() + 30
+        while not pid:
+            with contextlib.suppress(FileNotFoundError, ValueError):
+                pid = int(Path(pid_file).read_text())
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        h = nbd.NBD()
+        h.connect_unix(sock)
+        try:
+            assert h.pread(CHUNK, 0) == image.expected(0, CHUNK)
+        finally:
+            close_handle(h)
+        for upstream in (hashes, data):
+            upstream.proc.send_signal(signal.SIGTERM)
+        for upstream in (hashes, data):
+            try:
+                upstream.proc.wait(IDLE_S * 2 + 10)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"{upstream.name}, held by an idle connection, never exited: "
+                            f"{log.read_text()}")
+    finally:
+        if pid:
+            os.kill(pid, signal.SIGKILL)
+        hashes.stop()
+        data.stop()
 
 
 def test_an_upstream_stopped_with_sigterm_is_replaced(image, upstream, servers, sockdir):
