@@ -383,12 +383,8 @@ class NbdSource:
         index of the first that differs), or UNCHECKED when buf holds the bytes
         unverified (no reply within the slice: read_idle's wait from then on; or read
         again after a server said it stops); or read_idle's ImageIOError."""
-        if self._pipe is not None or offset + len(buf) > self._size or \
-                len(buf) > self._max_read:
-            return None
-        try:  # unlocked: one pop, atomic under the GIL
-            h = self._idle.pop()[0]
-        except IndexError:
+        h = self._pop_idle(buf, offset)
+        if h is None:
             return None
         try:
             got = hasher.nbd_read_verify(h._o, buf, offset, block_size, slots, at,
@@ -405,14 +401,20 @@ class NbdSource:
         """read(h, buf, offset, *args) on a connection idle now: None, having done
         nothing, when there is none (or the read is longer than one request, or the
         connections are a pipe); else _on_taken's answer."""
+        h = self._pop_idle(buf, offset)
+        return None if h is None else self._on_taken(h, buf, offset, read, args)
+
+    def _pop_idle(self, buf, offset: int):
+        """A connection idle now, taken for buf's read at offset without the lock (one
+        pop, atomic under the GIL); None when there is none, the read is longer than one
+        request, or the connections are a pipe."""
         if self._pipe is not None or offset + len(buf) > self._size or \
                 len(buf) > self._max_read:
             return None
-        try:  # unlocked: one pop, atomic under the GIL
-            h = self._idle.pop()[0]
+        try:
+            return self._idle.pop()[0]
         except IndexError:
             return None
-        return self._on_taken(h, buf, offset, read, args)
 
     def _on_taken(self, h, buf, offset: int, read, args: tuple):
         """read(h, buf, offset, *args) on h, taken from the idle ones: what read returned,
