@@ -29,8 +29,9 @@ served. What this module adds is the failure model of a network:
 The pool's lock guards the number of open connections, the waiters and the counters; it is
 never held during I/O. The idle list is changed only by single list operations (append, pop,
 remove), each atomic under the GIL, so that a request takes and gives back its connection
-without the lock (a request's bookkeeping held the GIL a quarter longer with it, and 16
-threads waited for it more: docs/benchmarks.md, "The pool's lock off the request's way").
+without the lock: with 16 requests in flight, the lock's bookkeeping (twice per request)
+had the other threads wait for the GIL more (docs/benchmarks.md, "The pool's lock off the
+request's way").
 """
 
 from __future__ import annotations
