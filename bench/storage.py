@@ -4,7 +4,8 @@ Each row is one workload from ONE client connection (one fio job, fio's nbd engi
 queue depth): unverified = fio reading the data upstream itself; verified = `nbd-verity
 serve DATA HASH ROOT` over the same upstreams, default options, a fresh (cold) server
 per run. The ratio is verified / unverified, per round; the table gives the median and
-range over ROUNDS rounds (each round runs unverified and verified in turn).
+range over ROUNDS rounds (each round runs unverified and verified in turn; with several
+thread models, or --baseline, their order is reversed every other round).
 
 Sources:
 - `delay D`: data and hash images behind nbdkit `file` upstreams under nbdkit's `delay`
@@ -97,14 +98,15 @@ def measure_delay(image: images.Image, delay: str, rounds: int, runtime: float,
             job = Job(rw, bs, 1, qd, runtime)
             runs: dict[str, list] = {model: [] for model in models}
             relayed, python = [], []
-            for _ in range(rounds):
+            for round_ in range(rounds):
                 unverified = fiorun.run(data.uri(), job, image.size).mb_s
                 with servers.Server("relay", "nbd", [f"socket={data.socket}"]) as relay:
                     relayed.append((unverified, fiorun.run(relay.uri(), job, image.size).mb_s))
                 with servers.Server("Python relay", "passthrough",
                                     [f"uri={data.uri()}", "keep-thread-state=yes"]) as relay:
                     python.append((unverified, fiorun.run(relay.uri(), job, image.size).mb_s))
-                for model in models:
+                # every other round in reverse: no model always first after the relays
+                for model in models if round_ % 2 == 0 else models[::-1]:
                     with verity(served, model) as server:
                         verified = fiorun.run(server.uri(), job, image.size).mb_s
                     runs[model].append((unverified, verified))
