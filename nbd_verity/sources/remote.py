@@ -235,14 +235,11 @@ class NbdSource:
         while True:
             with self._free:
                 if self._closed.is_set():
-                    self.source_errors += 1
-                    raise ImageIOError(f"{self.role}: {redacted(self.path)}: abandoned, "
-                                       f"the server is stopping")
-                if self._idle:
-                    try:  # a request taking one unlocked may have been first
-                        return self._idle.pop()[0]
-                    except IndexError:
-                        continue
+                    raise self._stopping_error()
+                try:  # unlocked takers pop too: an empty list raises, never a stale entry
+                    return self._idle.pop()[0]
+                except IndexError:
+                    pass
                 if self._open < self.max_connections:
                     self._open += 1
                     replacing = self._dropped
@@ -265,6 +262,12 @@ class NbdSource:
                 self.reconnects += 1
         return h
 
+    def _stopping_error(self) -> ImageIOError:
+        """The error of a request abandoned because the server stops (counted)."""
+        self.source_errors += 1
+        return ImageIOError(f"{self.role}: {redacted(self.path)}: abandoned, "
+                            f"the server is stopping")
+
     def _wait_for_one(self) -> None:
         """With the lock held, none idle and every connection open: let reads sent ahead
         give way (the lender), else wait one poll slice for a give-back; ImageIOError
@@ -284,9 +287,7 @@ class NbdSource:
                 return
             # in slices, as _wait: a server stopping ends this wait too
             if not self._free.wait(POLL_SLICE_MS / 1000) and self.stopping():
-                self.source_errors += 1
-                raise ImageIOError(f"{self.role}: {redacted(self.path)}: abandoned, "
-                                   f"the server is stopping")
+                raise self._stopping_error()
         finally:
             self._waiting -= 1
 
