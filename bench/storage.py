@@ -4,8 +4,11 @@ Each row is one workload from ONE client connection (one fio job, fio's nbd engi
 queue depth): unverified = fio reading the data upstream itself; verified = `nbd-verity
 serve DATA HASH ROOT` over the same upstreams, default options, a fresh (cold) server
 per run. The ratio is verified / unverified, per round; the table gives the median and
-range over ROUNDS rounds (each round runs unverified and verified in turn; with several
-thread models, or --baseline, their order is reversed every other round).
+range over ROUNDS rounds. Each round runs the unverified read first and last, the
+verified ones (and the relays) between them, and sets each against the mean of the two:
+a machine or disk that drifts during a round moves the baseline with it; the table shows
+the largest drift of the unverified read within a round. With several thread models, or
+--baseline, their order is reversed every other round.
 
 Sources:
 - `delay D`: data and hash images behind nbdkit `file` upstreams under nbdkit's `delay`
@@ -96,29 +99,49 @@ def measure_delay(image: images.Image, delay: str, rounds: int, runtime: float,
         served = images.Image(data.uri(), hashes.uri(), image.root, image.size, image.how)
         for rw, bs, qd in WORKLOADS:
             job = Job(rw, bs, 1, qd, runtime)
-            runs: dict[str, list] = {model: [] for model in models}
-            relayed, python = [], []
+            runs = Runs()
             for round_ in range(rounds):
-                unverified = fiorun.run(data.uri(), job, image.size).mb_s
+                first = fiorun.run(data.uri(), job, image.size).mb_s
+                got = {}
                 with servers.Server("relay", "nbd", [f"socket={data.socket}"]) as relay:
-                    relayed.append((unverified, fiorun.run(relay.uri(), job, image.size).mb_s))
+                    got[RELAY] = fiorun.run(relay.uri(), job, image.size).mb_s
                 with servers.Server("Python relay", "passthrough",
                                     [f"uri={data.uri()}", "keep-thread-state=yes"]) as relay:
-                    python.append((unverified, fiorun.run(relay.uri(), job, image.size).mb_s))
+                    got[PYTHON_RELAY] = fiorun.run(relay.uri(), job, image.size).mb_s
                 # every other round in reverse: no model always first after the relays
                 for model in models if round_ % 2 == 0 else models[::-1]:
                     with verity(served, model) as server:
-                        verified = fiorun.run(server.uri(), job, image.size).mb_s
-                    runs[model].append((unverified, verified))
-                    say(f"delay {delay} ({model}): {label(rw, bs, qd)}: {unverified:.1f} / "
-                        f"{verified:.1f}")
+                        got[model] = fiorun.run(server.uri(), job, image.size).mb_s
+                last = fiorun.run(data.uri(), job, image.size).mb_s
+                runs.add(first, last, got, f"delay {delay}: {label(rw, bs, qd)}")
             for model in models:
-                rows.append(summary(f"NBD, {delay} per read{model_label(model)}",
-                                    label(rw, bs, qd), runs[model]))
-            rows.append(summary(f"NBD, {delay} per read: {RELAY}", label(rw, bs, qd), relayed))
-            rows.append(summary(f"NBD, {delay} per read: {PYTHON_RELAY}", label(rw, bs, qd),
-                                python))
+                rows.append(runs.summary(f"NBD, {delay} per read{model_label(model)}",
+                                         label(rw, bs, qd), model))
+            for relay in (RELAY, PYTHON_RELAY):
+                rows.append(runs.summary(f"NBD, {delay} per read: {relay}", label(rw, bs, qd),
+                                         relay))
     return rows
+
+
+class Runs:
+    """One row group's rounds. The unverified read is run first and last in each round,
+    and every run of the round is set against their mean: a drift of the machine or
+    the disk during the round weighs on the verified runs as on their baseline (it is
+    shown, as the largest first-to-last change of any round)."""
+
+    def __init__(self) -> None:
+        self.pairs: dict[str, list[tuple[float, float]]] = {}
+        self.drifts: list[float] = []
+
+    def add(self, first: float, last: float, got: dict[str, float], what: str) -> None:
+        unverified = (first + last) / 2
+        self.drifts.append(abs(last - first) / unverified if unverified else 0.0)
+        for name, verified in got.items():
+            self.pairs.setdefault(name, []).append((unverified, verified))
+            say(f"{what} ({name}): {first:.1f}..{last:.1f} / {verified:.1f}")
+
+    def summary(self, source: str, workload: str, name: str) -> dict:
+        return summary(source, workload, self.pairs[name], max(self.drifts))
 
 
 BASELINE = "+baseline"  # a model's suffix: served by the --baseline checkout
@@ -217,15 +240,16 @@ def measure_http(image: images.Image, delay: str, rounds: int, runtime: float) -
         served = images.Image(data_url, hash_url, image.root, image.size, image.how)
         for rw, bs, qd in WORKLOADS:
             job = Job(rw, bs, 1, qd, runtime)
-            runs = []
+            runs = Runs()
             for _ in range(rounds):
                 with servers.Server("curl", "curl", [f"url={data_url}"]) as plain:
-                    unverified = fiorun.run(plain.uri(), job, image.size).mb_s
+                    first = fiorun.run(plain.uri(), job, image.size).mb_s
                 with servers.verity_server("verified", served, []) as server:
                     verified = fiorun.run(server.uri(), job, image.size).mb_s
-                runs.append((unverified, verified))
-                say(f"http {delay}: {label(rw, bs, qd)}: {unverified:.1f} / {verified:.1f}")
-            rows.append(summary(f"HTTP, {delay} per GET", label(rw, bs, qd), runs))
+                with servers.Server("curl", "curl", [f"url={data_url}"]) as plain:
+                    last = fiorun.run(plain.uri(), job, image.size).mb_s
+                runs.add(first, last, {"default": verified}, f"http {delay}: {label(rw, bs, qd)}")
+            rows.append(runs.summary(f"HTTP, {delay} per GET", label(rw, bs, qd), "default"))
     finally:
         http.close()
     return rows
@@ -241,43 +265,49 @@ def measure_disk(rounds: int, runtime: float) -> list[dict]:
     rows = []
     for rw, bs, qd in DISK_WORKLOADS:
         job = Job(rw, bs, 1, qd, runtime)
-        runs: dict[str, list] = {name: [] for name, _ in DISK_MODELS}
-        runs[PASSTHROUGH] = []
+        runs = Runs()
         for _ in range(rounds):
-            drop_caches()
-            with servers.file_server(image.data) as plain:
-                unverified = fiorun.run(plain.uri(), job, image.size).mb_s
+            first = disk_unverified(image, job)
+            got = {}
             for name, options in DISK_MODELS:
                 drop_caches()
                 with servers.verity_server("verified", image, options) as server:
-                    verified = fiorun.run(server.uri(), job, image.size).mb_s
-                runs[name].append((unverified, verified))
-                say(f"{name}: {label(rw, bs, qd)}: {unverified:.1f} / {verified:.1f}")
+                    got[name] = fiorun.run(server.uri(), job, image.size).mb_s
             drop_caches()
             with servers.passthrough_server(image.data,
                                             keys=("keep-thread-state=yes",)) as plain_python:
-                python = fiorun.run(plain_python.uri(), job, image.size).mb_s
-            runs[PASSTHROUGH].append((unverified, python))
-            say(f"{PASSTHROUGH}: {label(rw, bs, qd)}: {unverified:.1f} / {python:.1f}")
-        rows += [summary(name, label(rw, bs, qd), runs[name]) for name in runs]
+                got[PASSTHROUGH] = fiorun.run(plain_python.uri(), job, image.size).mb_s
+            runs.add(first, disk_unverified(image, job), got, label(rw, bs, qd))
+        rows += [runs.summary(name, label(rw, bs, qd), name)
+                 for name in [name for name, _ in DISK_MODELS] + [PASSTHROUGH]]
     return rows
 
 
-def summary(source: str, workload: str, runs: list[tuple[float, float]]) -> dict:
+def disk_unverified(image: images.Image, job: Job) -> float:
+    """nbdkit's C file plugin on the image, the page cache dropped first."""
+    drop_caches()
+    with servers.file_server(image.data) as server:
+        return fiorun.run(server.uri(), job, image.size).mb_s
+
+
+def summary(source: str, workload: str, runs: list[tuple[float, float]],
+            drift: float) -> dict:
     ratios = sorted(v / u for u, v in runs)
     return {"source": source, "workload": workload,
             "unverified": statistics.median(u for u, _ in runs),
             "verified": statistics.median(v for _, v in runs),
-            "ratio": statistics.median(ratios), "low": ratios[0], "high": ratios[-1]}
+            "ratio": statistics.median(ratios), "low": ratios[0], "high": ratios[-1],
+            "drift": drift}
 
 
 def table(rows: list[dict]) -> str:
     header = ["source", "workload (one connection)", "unverified MB/s", "verified MB/s",
-              "verified / unverified (min-max)"]
+              "verified / unverified (min-max)", "unverified's drift in a round (max)"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in rows:
         lines.append(f"| {r['source']} | {r['workload']} | {r['unverified']:.1f} | "
-                     f"{r['verified']:.1f} | {r['ratio']:.2f} ({r['low']:.2f}-{r['high']:.2f}) |")
+                     f"{r['verified']:.1f} | {r['ratio']:.2f} ({r['low']:.2f}-{r['high']:.2f}) "
+                     f"| {r['drift']:.0%} |")
     return "\n".join(lines)
 
 
