@@ -27,6 +27,7 @@
 #include <pthread.h>
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -491,29 +492,13 @@ PyDoc_STRVAR(read_verify_doc,
 "A short run whose pages are cached is read with RWF_NOWAIT while the GIL is held; the\n"
 "GIL is released for a long run, and for a read that would wait for the disk.");
 
-static PyObject *Hasher_read_verify(Hasher *self, PyObject *const *args, Py_ssize_t nargs)
+/* read_verify's read and check of a taken run: the verdict, READ_FAILED or DIGEST_FAILED
+ * (no exception set). Called with the GIL held; releases it as read_verify_doc says. */
+static Py_ssize_t read_verify_run(Hasher *self, int fd, Run *run)
 {
-    long fd;
-    Py_ssize_t slot_offset = 0;
-    Run run;
-    if (check_ready(self) < 0)
-        return NULL;
-    if (nargs != 6 && check_nargs("read_verify", nargs, 5) < 0)
-        return NULL;
-    if (nargs == 6 && (slot_offset = PyLong_AsSsize_t(args[5])) == -1 && PyErr_Occurred())
-        return NULL;
-    if ((fd = PyLong_AsLong(args[0])) == -1 && PyErr_Occurred())
-        return NULL;
-    if (fd < 0 || fd > INT_MAX) {
-        PyErr_SetString(PyExc_ValueError, "fd is not a file descriptor");
-        return NULL;
-    }
-    if (take_run(self, args[1], args[2], args[3], args[4], slot_offset, &run) < 0)
-        return NULL;
-    PyObject *result = NULL;
-    unsigned char *p = run.buf.buf;
-    size_t size = (size_t)run.buf.len, got = 0;
-    int release = run.buf.len >= self->release_size;
+    unsigned char *p = run->buf.buf;
+    size_t size = (size_t)run->buf.len, got = 0;
+    int release = run->buf.len >= self->release_size;
     Py_ssize_t verdict = -1;
     int ask = !release && !self->nowait_refused;
     if (ask && self->nowait_skip > 0) {  /* the file is not cached lately (NOWAIT_MISSES) */
@@ -527,7 +512,7 @@ static PyObject *Hasher_read_verify(Hasher *self, PyObject *const *args, Py_ssiz
          * one device, one data image, one answer. The GIL is held here, so the counts
          * are not raced. */
         struct iovec iov = {p, size};
-        ssize_t n = preadv2((int)fd, &iov, 1, (off_t)run.offset, RWF_NOWAIT);
+        ssize_t n = preadv2(fd, &iov, 1, (off_t)run->offset, RWF_NOWAIT);
         if (n < 0 && errno == EOPNOTSUPP)
             self->nowait_refused = 1;
         got = n > 0 ? (size_t)n : 0;
@@ -543,21 +528,52 @@ static PyObject *Hasher_read_verify(Hasher *self, PyObject *const *args, Py_ssiz
             self->nowait_skip = self->nowait_backoff = NOWAIT_SKIP;
         }
     }
-    int hashed = 0;
     if (release || got < size) {
         /* A long run, or one read from the disk: hashed too while the GIL is released
          * (for the read, it is anyway: holding it again to hash only makes the other
          * requests wait once more). */
         Py_BEGIN_ALLOW_THREADS
-        if (read_full((int)fd, p + got, size - got, (off_t)run.offset + (off_t)got) < 0)
+        if (read_full(fd, p + got, size - got, (off_t)run->offset + (off_t)got) < 0)
             verdict = READ_FAILED;
         else
-            verdict = verify_run(self, run.ctx, p, run.blocks, run.block_size, run.slots);
+            verdict = verify_run(self, run->ctx, p, run->blocks, run->block_size, run->slots);
         Py_END_ALLOW_THREADS
-        hashed = 1;
+        return verdict;
     }
-    if (!hashed)  /* a short run found in the page cache: hashed with the GIL held */
-        verdict = verify_run(self, run.ctx, p, run.blocks, run.block_size, run.slots);
+    /* a short run found in the page cache: hashed with the GIL held */
+    return verify_run(self, run->ctx, p, run->blocks, run->block_size, run->slots);
+}
+
+/* fd as an int, or -1 with ValueError set. */
+static int take_fd(PyObject *arg)
+{
+    long fd = PyLong_AsLong(arg);
+    if (fd == -1 && PyErr_Occurred())
+        return -1;
+    if (fd < 0 || fd > INT_MAX) {
+        PyErr_SetString(PyExc_ValueError, "fd is not a file descriptor");
+        return -1;
+    }
+    return (int)fd;
+}
+
+static PyObject *Hasher_read_verify(Hasher *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    int fd;
+    Py_ssize_t slot_offset = 0;
+    Run run;
+    if (check_ready(self) < 0)
+        return NULL;
+    if (nargs != 6 && check_nargs("read_verify", nargs, 5) < 0)
+        return NULL;
+    if (nargs == 6 && (slot_offset = PyLong_AsSsize_t(args[5])) == -1 && PyErr_Occurred())
+        return NULL;
+    if ((fd = take_fd(args[0])) < 0)
+        return NULL;
+    if (take_run(self, args[1], args[2], args[3], args[4], slot_offset, &run) < 0)
+        return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t verdict = read_verify_run(self, fd, &run);
     if (verdict == DIGEST_FAILED)
         digest_error();
     else
@@ -750,6 +766,264 @@ static PyTypeObject HasherType = {
     .tp_new = PyType_GenericNew,
 };
 
+/* -- The fast path in one native frame ---------------------------------------------------
+ * FastRead.read is serve/fastpath.py's fast() for an image in a local file, the same steps
+ * in the same order without a Python frame of its own: the request's checks, its leaf
+ * from the level-0 LRU, the calling thread's counting rows, one read_verify_run, then the
+ * LRU order and the counts. The Python function stays the reference (tests compare both
+ * with the general path) and answers every request over its class's threshold (the pool's
+ * rule, dispatch.py), which this frame hands it unchanged. Every Python object it touches
+ * is the one the Python function touches; the GIL is held throughout, except inside
+ * read_verify_run as read_verify releases it. */
+typedef struct {
+    PyObject_HEAD
+    Hasher *hasher;
+    int fd;
+    int shift;             /* log2 of the data block size */
+    int hpb_bits;          /* log2 of the slots in a hash block */
+    long long mask;        /* data block size - 1 */
+    long long hpb_mask;    /* slots in a hash block - 1 */
+    long long leaf_start;  /* level 0's first block number */
+    long long sample_mask; /* one request in sample_mask + 1 is timed */
+    Py_ssize_t slot_size, io_class, slot;
+    PyObject *block_size;  /* the data block size as an int, for take_run */
+    PyObject *leaves;      /* level 0's LRU: block number -> the verified block */
+    PyObject *dispatcher;  /* its table (a tuple, replaced whole) read per request */
+    PyObject *latency;     /* the class's inline latency samples (a bounded deque) */
+    PyObject *rows_of;     /* thread ident -> (verified, hits, path): lists, one writer */
+    PyObject *rows;        /* rows(): the calling thread's rows, made and kept */
+    PyObject *beyond;      /* the Python fast(): a request over its class's threshold */
+} FastRead;
+
+static PyObject *str_table, *str_move_to_end, *str_append;
+
+static int FastRead_init(FastRead *self, PyObject *args, PyObject *kwds)
+{
+    static char *names[] = {"hasher", "fd", "block_size", "hpb_bits", "slot_size",
+                            "leaf_start", "leaves", "dispatcher", "io_class", "slot",
+                            "latency", "rows_of", "rows", "sample_every", "beyond", NULL};
+    Hasher *hasher;
+    PyObject *fd, *leaves, *dispatcher, *latency, *rows_of, *rows, *beyond;
+    Py_ssize_t block_size, slot_size, io_class, slot;
+    int hpb_bits;
+    long long leaf_start, sample_every;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!OninLO!OnnOO!OLO:FastRead", names,
+                                     &HasherType, &hasher, &fd, &block_size, &hpb_bits,
+                                     &slot_size, &leaf_start, &PyDict_Type, &leaves,
+                                     &dispatcher, &io_class, &slot, &latency,
+                                     &PyDict_Type, &rows_of, &rows, &sample_every, &beyond))
+        return -1;
+    if (check_ready(hasher) < 0 || (self->fd = take_fd(fd)) < 0)
+        return -1;
+    if (block_size <= 0 || (block_size & (block_size - 1)) || hpb_bits < 0 || hpb_bits > 30 ||
+        slot_size <= 0 || leaf_start < 0 || io_class < 0 || slot < 0 || sample_every <= 0 ||
+        (sample_every & (sample_every - 1))) {
+        PyErr_SetString(PyExc_ValueError, "FastRead: a geometry value is out of range");
+        return -1;
+    }
+    self->shift = 0;
+    while (((Py_ssize_t)1 << self->shift) < block_size)
+        self->shift++;
+    self->hpb_bits = hpb_bits;
+    self->mask = block_size - 1;
+    self->hpb_mask = (1LL << hpb_bits) - 1;
+    self->leaf_start = leaf_start;
+    self->sample_mask = sample_every - 1;
+    self->slot_size = slot_size;
+    self->io_class = io_class;
+    self->slot = slot;
+    Py_XSETREF(self->block_size, PyLong_FromSsize_t(block_size));
+    if (self->block_size == NULL)
+        return -1;
+    Py_INCREF(hasher);
+    Py_XSETREF(self->hasher, hasher);
+    Py_INCREF(leaves);
+    Py_XSETREF(self->leaves, leaves);
+    Py_INCREF(dispatcher);
+    Py_XSETREF(self->dispatcher, dispatcher);
+    Py_INCREF(latency);
+    Py_XSETREF(self->latency, latency);
+    Py_INCREF(rows_of);
+    Py_XSETREF(self->rows_of, rows_of);
+    Py_INCREF(rows);
+    Py_XSETREF(self->rows, rows);
+    Py_INCREF(beyond);
+    Py_XSETREF(self->beyond, beyond);
+    return 0;
+}
+
+static void FastRead_dealloc(FastRead *self)
+{
+    Py_XDECREF(self->hasher);
+    Py_XDECREF(self->block_size);
+    Py_XDECREF(self->leaves);
+    Py_XDECREF(self->dispatcher);
+    Py_XDECREF(self->latency);
+    Py_XDECREF(self->rows_of);
+    Py_XDECREF(self->rows);
+    Py_XDECREF(self->beyond);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* list[i] += n for a list of ints (a counting row); 0 or -1. */
+static int add_to(PyObject *list, Py_ssize_t i, long long n)
+{
+    if (!PyList_Check(list) || i >= PyList_GET_SIZE(list)) {
+        PyErr_SetString(PyExc_TypeError, "FastRead: a counting row is not a long enough list");
+        return -1;
+    }
+    PyObject *old = PyList_GET_ITEM(list, i);
+    long long value = PyLong_AsLongLong(old);
+    if (value == -1 && PyErr_Occurred())
+        return -1;
+    PyObject *sum = PyLong_FromLongLong(value + n);
+    if (sum == NULL)
+        return -1;
+    PyList_SET_ITEM(list, i, sum);
+    Py_DECREF(old);
+    return 0;
+}
+
+static double seconds_now(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);  /* time.perf_counter's clock */
+    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
+}
+
+PyDoc_STRVAR(FastRead_read_doc,
+"read(buf, offset) -> True when it answered the request (buf filled and verified, counted\n"
+"as serve/fastpath.py's fast() counts it), None for the general path; a request over its\n"
+"class's threshold is answered by beyond(buf, offset).");
+
+static PyObject *FastRead_read(FastRead *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs("read", nargs, 2) < 0)
+        return NULL;
+    PyObject *buf = args[0];
+    long long offset = PyLong_AsLongLong(args[1]);
+    if (offset == -1 && PyErr_Occurred())
+        return NULL;
+    Py_ssize_t size = PyObject_Length(buf);
+    if (size < 0)
+        return NULL;
+    if ((offset & self->mask) || (size & self->mask) || size == 0 || offset < 0)
+        Py_RETURN_NONE;
+    PyObject *table = PyObject_GetAttr(self->dispatcher, str_table);
+    if (table == NULL)
+        return NULL;
+    PyObject *limit = PySequence_GetItem(table, self->io_class);
+    Py_DECREF(table);
+    if (limit == NULL)
+        return NULL;
+    long long threshold = PyLong_AsLongLong(limit);
+    Py_DECREF(limit);
+    if (threshold == -1 && PyErr_Occurred())
+        return NULL;
+    if (size > threshold)  /* the pool's, or inline by the pool's rule: the Python frame's */
+        return PyObject_Vectorcall(self->beyond, args, nargs, NULL);
+    long long first = offset >> self->shift, blocks = (long long)size >> self->shift;
+    long long index = first & self->hpb_mask;
+    if (index + blocks > self->hpb_mask + 1)  /* the run spans two leaves */
+        Py_RETURN_NONE;
+    PyObject *result = NULL, *rows = NULL, *leaf;
+    PyObject *block = PyLong_FromLongLong(self->leaf_start + (first >> self->hpb_bits));
+    if (block == NULL)
+        return NULL;
+    leaf = PyDict_GetItemWithError(self->leaves, block);  /* borrowed: held for the read */
+    if (leaf == NULL) {
+        if (!PyErr_Occurred())
+            result = Py_NewRef(Py_None);
+        goto done;
+    }
+    Py_INCREF(leaf);
+    PyObject *ident = PyLong_FromUnsignedLong(PyThread_get_thread_ident());
+    if (ident == NULL)
+        goto done_leaf;
+    rows = PyDict_GetItemWithError(self->rows_of, ident);
+    Py_DECREF(ident);
+    if (rows != NULL)
+        Py_INCREF(rows);
+    else if (PyErr_Occurred() || (rows = PyObject_CallNoArgs(self->rows)) == NULL)
+        goto done_leaf;
+    if (!PyTuple_Check(rows) || PyTuple_GET_SIZE(rows) != 3 ||
+        !PyList_Check(PyTuple_GET_ITEM(rows, 2)) ||
+        PyList_GET_SIZE(PyTuple_GET_ITEM(rows, 2)) <= self->slot + 1) {
+        PyErr_SetString(PyExc_TypeError, "FastRead: rows() is not (verified, hits, path)");
+        goto done_leaf;
+    }
+    PyObject *verified = PyTuple_GET_ITEM(rows, 0), *hits = PyTuple_GET_ITEM(rows, 1);
+    PyObject *path = PyTuple_GET_ITEM(rows, 2);
+    long long served = PyLong_AsLongLong(PyList_GET_ITEM(path, self->slot));
+    if (served == -1 && PyErr_Occurred())
+        goto done_leaf;
+    int timed = !(served & self->sample_mask);
+    double started = timed ? seconds_now() : 0.0;
+    Run run;
+    Py_ssize_t slot_offset = (Py_ssize_t)(index * (long long)self->slot_size);
+    if (take_run(self->hasher, buf, args[1], self->block_size, leaf, slot_offset, &run) < 0)
+        goto done_leaf;
+    Py_ssize_t verdict = read_verify_run(self->hasher, self->fd, &run);
+    release_run(&run);
+    if (verdict == DIGEST_FAILED) {
+        digest_error();
+        goto done_leaf;
+    }
+    if (verdict != -1) {  /* a mismatch or a failed read: the general path's, from the start */
+        result = Py_NewRef(Py_None);
+        goto done_leaf;
+    }
+    if (timed) {
+        PyObject *took = PyFloat_FromDouble(seconds_now() - started);
+        PyObject *appended =
+            took != NULL ? PyObject_CallMethodOneArg(self->latency, str_append, took) : NULL;
+        Py_XDECREF(took);
+        if (appended == NULL)
+            goto done_leaf;
+        Py_DECREF(appended);
+    }
+    /* as HashBlockCache.get: the LRU order; evicted meanwhile (KeyError) is fine */
+    PyObject *moved = PyObject_CallMethodOneArg(self->leaves, str_move_to_end, block);
+    if (moved != NULL)
+        Py_DECREF(moved);
+    else if (PyErr_ExceptionMatches(PyExc_KeyError))
+        PyErr_Clear();
+    else
+        goto done_leaf;
+    if (add_to(verified, 0, blocks) < 0 || add_to(hits, 0, 1) < 0 ||
+        add_to(path, self->slot, 1) < 0 || add_to(path, self->slot + 1, size) < 0)
+        goto done_leaf;
+    result = Py_NewRef(Py_True);
+done_leaf:
+    Py_XDECREF(rows);
+    Py_DECREF(leaf);
+done:
+    Py_DECREF(block);
+    return result;
+}
+
+static PyMethodDef FastRead_methods[] = {
+    {"read", (PyCFunction)(void (*)(void))FastRead_read, METH_FASTCALL, FastRead_read_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+PyDoc_STRVAR(FastRead_doc,
+"FastRead(hasher, fd, block_size, hpb_bits, slot_size, leaf_start, leaves, dispatcher,\n"
+"         io_class, slot, latency, rows_of, rows, sample_every, beyond)\n\n"
+"serve/fastpath.py's fast() for a local file in one native frame (its read method).");
+
+static PyTypeObject FastReadType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "nbd_verity.format._native.FastRead",
+    .tp_basicsize = sizeof(FastRead),
+    .tp_dealloc = (destructor)FastRead_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = FastRead_doc,
+    .tp_methods = FastRead_methods,
+    .tp_init = (initproc)FastRead_init,
+    .tp_new = PyType_GenericNew,
+};
+
 /* -- the module ----------------------------------------------------------------------- */
 
 static PyObject *openssl_version(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(unused))
@@ -778,7 +1052,11 @@ PyMODINIT_FUNC PyInit__native(void)
     if (m == NULL)
         return NULL;
     /* PyModule_AddType readies the type and takes its own reference only on success. */
-    if (PyModule_AddType(m, &HasherType) < 0 ||
+    str_table = PyUnicode_InternFromString("table");
+    str_move_to_end = PyUnicode_InternFromString("move_to_end");
+    str_append = PyUnicode_InternFromString("append");
+    if (str_table == NULL || str_move_to_end == NULL || str_append == NULL || PyModule_AddType(m, &HasherType) < 0 ||
+        PyModule_AddType(m, &FastReadType) < 0 ||
         PyModule_AddIntConstant(m, "READ_FAILED", READ_FAILED) < 0 ||
         PyModule_AddIntConstant(m, "DEFAULT_RELEASE_SIZE", DEFAULT_RELEASE_SIZE) < 0 ||
         sha256x_add_functions(m) < 0) {

@@ -24,7 +24,7 @@ from nbd_verity.format.digest import NATIVE_NBD_ENV
 from nbd_verity.ioclass import CLASSES
 from nbd_verity.prepare.config import config_from_pairs
 from nbd_verity.serve.device import Connection, Device
-from nbd_verity.serve.fastpath import SAMPLE_EVERY, never
+from nbd_verity.serve.fastpath import FAST_NATIVE_ENV, SAMPLE_EVERY, never
 
 from ..serverlib import FAST_PATH_ENV, MIB, control_request, flip_byte, read_general
 from ..upstreams import NbdkitFile
@@ -106,13 +106,19 @@ def compare_paths(devices: list[Device], damaged, mode: str, seed: int) -> list:
     return answered
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
 @pytest.mark.parametrize("mode", ["eio", "ignore-corruption"])
 def test_fast_and_general_paths_give_the_same_answers_and_counts(damaged, monkeypatch,
-                                                                   mode):
+                                                                   mode, native):
+    """Both fast paths of a local file: the native frame (FastRead.read) and the Python
+    function it mirrors (NBD_VERITY_FAST_NATIVE=0), which stays the reference."""
+    monkeypatch.setenv(FAST_NATIVE_ENV, "1" if native else "0")
     devices = [device(damaged, monkeypatch, path, error_mode=mode)
                for path in ("fast", "general")]
     try:
         assert [d.fast_path for d in devices] == [True, False]
+        bound = Connection(devices[0]).fast
+        assert (type(getattr(bound, "__self__", None)).__name__ == "FastRead") == native
         answered = compare_paths(devices, damaged, mode, 1)
         assert any(answered), "the fast path answered no request"
         assert counted(devices[0]) == counted(devices[1])
