@@ -16,6 +16,11 @@
  * module made), its wait and the check, in one call with the GIL released once. libnbd
  * is the one the nbd module loaded: its functions are looked up there (dlopen with
  * RTLD_NOLOAD), never linked, so the module builds and loads without libnbd.
+ *
+ * FastRead is the one place where this module does more than touch bytes: the fast path of
+ * a local file (serve/fastpath.py) in one native frame, its bookkeeping included, because
+ * every bytecode of it held the GIL that the other requests' threads wait for. The Python
+ * function it mirrors decides everything it does not (and is the tests' reference).
  */
 
 #define PY_SSIZE_T_CLEAN

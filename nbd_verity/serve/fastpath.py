@@ -1,27 +1,34 @@
-"""The fast path: the common read answered in one Python frame around one native call.
+"""The fast path: the common read answered in one frame around one read and its check.
 
 A mode of the one read path, as the kernel's verity_verify_io runs in softirq context
 first: the common request is aligned, lies under one level-0 hash block whose verified
 copy is cached, is verified inline (within its class's threshold, or an unpinned class's
-request the pool does not take: dispatch.py), and no option that changes the success path is in
-play (FEC, ignore-zero-blocks, check-at-most-once, Merkle readahead, a data image that
-is not a local file, the pure-Python engine). For it bind()'s function reads and
-verifies straight into nbdkit's buffer with one read_verify call and counts what the
-general path would count. Anything else, and any failure here (a mismatch, a short
-read), goes to the general path from the start (Dispatcher.read), which stays the
-reference: the request's bytes, error and counters are its own there. An image read
-over NBD has its own (bind_remote): the same request, if it also reads nothing ahead,
-read on an idle connection of the source and verified with one native call; a read the
-upstream fails is the request's failure there too (Dispatcher.failed counts it).
+request the pool does not take: dispatch.py), and no option that changes the success
+path is in play (FEC, ignore-zero-blocks, check-at-most-once, Merkle readahead, a data
+image that is not a local file, the pure-Python engine). For it bind()'s function fast()
+reads and verifies straight into nbdkit's buffer with one read_verify call and counts
+what the general path would count. bind() hands the connection the same steps in one
+native frame (format/_native.c, FastRead.read: no bytecode of its own holds the GIL the
+other requests wait for), which leaves what is over the class's threshold to fast().
+Anything else, and any failure here (a mismatch, a short read), goes to the general path
+from the start (Dispatcher.read), which stays the reference: the request's bytes, error
+and counters are its own there. An image read over NBD has its own (bind_remote): the
+same request, if it also reads nothing ahead, read on an idle connection of the source
+and verified with one native call; a read the upstream fails is the request's failure
+there too (Dispatcher.failed counts it).
 Invariants: what it counts (ctl stats) equals the general path's for the same request
-(tests/server/serve/test_fastpath.py compares every answer and counter); one request in
-SAMPLE_EVERY per thread has its latency timed (every one the pool did not take).
+(tests/server/serve/test_fastpath.py compares every answer and counter, native and
+Python); one request in SAMPLE_EVERY per thread has its latency timed (every one the
+pool did not take).
 Locking: none. It writes only this thread's rows of the general path's own Tallies
 (read/tally.py: each row has one writer, its thread) and the cache's LRU order, as
 HashBlockCache.get does.
 Why a separate frame: 4 KiB random reads from eight clients ran 181 MB/s with it, 171
-without (bench/threads.py, docs/benchmarks.md "The three ratios"); docs/decisions/fastpath.md.
-NBD_VERITY_FAST_PATH=0 turns it off, for tests that run every suite on both paths.
+without (bench/threads.py, docs/benchmarks.md "The three ratios"); why a native one:
+docs/decisions/fastpath.md, "One native frame for a local file".
+NBD_VERITY_FAST_PATH=0 turns it off, for tests that run every suite on both paths;
+NBD_VERITY_FAST_NATIVE=0 keeps a local file's in Python (fast(), the native frame's
+reference), for the tests that compare the two and for measuring.
 """
 
 from __future__ import annotations
@@ -82,7 +89,8 @@ def bind(connection) -> Callable[[object, int], object]:
     """The fast path of one connection (a device.Connection, which calls this: not
     imported here, so that the import runs one way): fast(buf, offset) -> True when it
     answered the request (buf filled and verified); else None, for the general path
-    (Dispatcher.read)."""
+    (Dispatcher.read). For a local file that is FastRead.read, the same steps natively,
+    unless NBD_VERITY_FAST_NATIVE=0 or the module has none."""
     device = connection.device
     if not device.fast_path:
         return never
