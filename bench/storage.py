@@ -30,10 +30,12 @@ Sources:
     .venv/bin/python bench/storage.py [--rounds 3] [--runtime 4] [--delays 1ms,10ms]
         [--disk] [--http 10ms] [--thread-models default,serialize-requests]
         [--thread-models default,default+two-calls,default+no-chunks] [--baseline DIR]
+        [--disk-models default,parallel,parallel+python-fast-path]
 
 With --baseline DIR (a checkout of an earlier commit, its extensions built in place:
-`python setup.py build_ext --inplace` there), each delay row's thread models are served
-by that checkout too, in the same rounds: a change's before and after from one run.
+`python setup.py build_ext --inplace` there), each delay and disk row's models are
+served by that checkout too, in the same rounds: a change's before and after from one
+run.
 
 `--delays 0ms` is a network source without latency (a page-cached upstream): where the
 thread model serve chooses for a network image is measured against the other one.
@@ -64,6 +66,7 @@ from fiorun import Job  # noqa: E402
 
 from nbd_verity import launch  # noqa: E402
 from nbd_verity.format.digest import NATIVE_NBD_ENV  # noqa: E402
+from nbd_verity.serve.fastpath import FAST_NATIVE_ENV  # noqa: E402
 from nbd_verity.sources.ahead import CHUNKS_ENV  # noqa: E402
 
 WORKLOADS = (("randread", 4 << 10, 1), ("randread", 4 << 10, 16), ("randread", 64 << 10, 4),
@@ -148,9 +151,11 @@ BASELINE = "+baseline"  # a model's suffix: served by the --baseline checkout
 baseline_dir: Path | None = None  # --baseline
 TWO_CALLS = "+two-calls"  # a model's suffix: NBD_VERITY_NATIVE_NBD=0
 NO_CHUNKS = "+no-chunks"  # ... NBD_VERITY_STREAM_CHUNKS=0
+PYTHON_FAST = "+python-fast-path"  # ... NBD_VERITY_FAST_NATIVE=0 (a local file's)
 SUFFIXES = {  # suffix: (environment, row label)
     TWO_CALLS: ({NATIVE_NBD_ENV: "0"}, f"read and verified in two calls ({NATIVE_NBD_ENV}=0)"),
     NO_CHUNKS: ({CHUNKS_ENV: "0"}, f"each request its own read ({CHUNKS_ENV}=0)"),
+    PYTHON_FAST: ({FAST_NATIVE_ENV: "0"}, f"the fast path in Python ({FAST_NATIVE_ENV}=0)"),
 }
 
 
@@ -171,7 +176,9 @@ def verity(served: images.Image, model: str) -> servers.Server:
     """serve in a thread model (`default`: its own choice); with TWO_CALLS, its fast path
     reads over NBD and verifies in two calls (read_idle, verify), as before the one
     native call (Hasher.nbd_read_verify); with NO_CHUNKS, a stream's requests in flight
-    each read their own bytes, as before the shared chunks (sources/ahead.py)."""
+    each read their own bytes, as before the shared chunks (sources/ahead.py); with
+    PYTHON_FAST, a local file's fast path runs in Python, as before its native frame
+    (FastRead.read); with BASELINE, the --baseline checkout serves."""
     base, suffixes = split_model(model)
     server = servers.verity_server("verified", served,
                                    [] if base == "default" else ["--thread-model", base])
@@ -197,9 +204,7 @@ def baseline_label() -> str:
     return commit or str(baseline_dir)
 
 
-DISK_MODELS = (("local disk, uncached", []),
-               ("local disk, uncached, --thread-model parallel",
-                ["--thread-model", "parallel"]))
+DISK = "local disk, uncached"
 RELAY = "relayed by nbdkit's nbd plugin (C, nothing verified)"
 PYTHON_RELAY = "relayed by a Python plugin (bench/passthrough.py, nothing verified), parallel"
 PASSTHROUGH = ("local disk, uncached: Python pass-through (nothing verified, thread states "
@@ -255,9 +260,10 @@ def measure_http(image: images.Image, delay: str, rounds: int, runtime: float) -
     return rows
 
 
-def measure_disk(rounds: int, runtime: float) -> list[dict]:
-    """Each workload against the C file plugin, served by default and in the parallel
-    model, within each round. By default an image mostly in the page cache is served
+def measure_disk(rounds: int, runtime: float, models: list[str]) -> list[dict]:
+    """Each workload against the C file plugin, served in each model (--disk-models:
+    by default serve's own choice and the parallel model) within each round, their order
+    reversed every other round. By default an image mostly in the page cache is served
     serialize-requests (its reads are faster so); this one is not (the caches were just
     dropped), so auto serves it as a network image: parallel where nbdkit allows it (1.34
     on), serialize-requests on 1.32."""
@@ -266,20 +272,21 @@ def measure_disk(rounds: int, runtime: float) -> list[dict]:
     for rw, bs, qd in DISK_WORKLOADS:
         job = Job(rw, bs, 1, qd, runtime)
         runs = Runs()
-        for _ in range(rounds):
+        for round_ in range(rounds):
             first = disk_unverified(image, job)
             got = {}
-            for name, options in DISK_MODELS:
+            for model in models if round_ % 2 == 0 else models[::-1]:
                 drop_caches()
-                with servers.verity_server("verified", image, options) as server:
-                    got[name] = fiorun.run(server.uri(), job, image.size).mb_s
+                with verity(image, model) as server:
+                    got[model] = fiorun.run(server.uri(), job, image.size).mb_s
             drop_caches()
             with servers.passthrough_server(image.data,
                                             keys=("keep-thread-state=yes",)) as plain_python:
                 got[PASSTHROUGH] = fiorun.run(plain_python.uri(), job, image.size).mb_s
             runs.add(first, disk_unverified(image, job), got, label(rw, bs, qd))
-        rows += [runs.summary(name, label(rw, bs, qd), name)
-                 for name in [name for name, _ in DISK_MODELS] + [PASSTHROUGH]]
+        rows += [runs.summary(DISK + model_label(model), label(rw, bs, qd), model)
+                 for model in models]
+        rows.append(runs.summary(PASSTHROUGH, label(rw, bs, qd), PASSTHROUGH))
     return rows
 
 
@@ -330,17 +337,23 @@ def main(argv: list[str]) -> int:
                              f"calls ({NATIVE_NBD_ENV}=0), with {NO_CHUNKS} a stream's "
                              f"requests in flight each read their own bytes "
                              f"({CHUNKS_ENV}=0)")
+    parser.add_argument("--disk-models", default="default,parallel",
+                        help="the disk rows' models, as --thread-models (a model with the "
+                             f"suffix {PYTHON_FAST} runs a local file's fast path in "
+                             f"Python, {FAST_NATIVE_ENV}=0)")
     parser.add_argument("--baseline", type=Path, metavar="DIR",
-                        help="each delay row's thread models served by this checkout too "
+                        help="each row's thread models served by this checkout too "
                              "(its extensions built in place), in the same rounds")
     args = parser.parse_args(argv[1:])
     models = args.thread_models.split(",")
+    disk_models = args.disk_models.split(",")
     if args.baseline is not None:
         global baseline_dir
         if not (args.baseline / "nbd_verity").is_dir():
             parser.error(f"--baseline {args.baseline}: not a checkout (no nbd_verity/ in it)")
         baseline_dir = args.baseline.resolve()
         models += [model + BASELINE for model in models]
+        disk_models += [model + BASELINE for model in disk_models]
     image = images.random_image(SIZE)
     rows = []
     for delay in filter(None, args.delays.split(",")):
@@ -348,7 +361,7 @@ def main(argv: list[str]) -> int:
     if args.http:
         rows += measure_http(image, args.http, args.rounds, args.runtime)
     if args.disk:
-        rows += measure_disk(args.rounds, args.runtime)
+        rows += measure_disk(args.rounds, args.runtime, disk_models)
     print(f"{report.machine()}; load {report.load()}; {args.rounds} rounds of "
           f"{args.runtime:g} s")
     print(table(rows))
