@@ -818,6 +818,10 @@ static int FastRead_init(FastRead *self, PyObject *args, PyObject *kwds)
                                      &dispatcher, &io_class, &slot, &latency,
                                      &PyDict_Type, &rows_of, &rows, &sample_every, &beyond))
         return -1;
+    if (self->hasher != NULL) {  /* a thread may be inside read() with the GIL released */
+        PyErr_SetString(PyExc_RuntimeError, "FastRead is already initialised");
+        return -1;
+    }
     if (check_ready(hasher) < 0 || (self->fd = take_fd(fd)) < 0)
         return -1;
     if (block_size <= 0 || (block_size & (block_size - 1)) || hpb_bits < 0 || hpb_bits > 30 ||
@@ -837,36 +841,50 @@ static int FastRead_init(FastRead *self, PyObject *args, PyObject *kwds)
     self->slot_size = slot_size;
     self->io_class = io_class;
     self->slot = slot;
-    Py_XSETREF(self->block_size, PyLong_FromSsize_t(block_size));
-    if (self->block_size == NULL)
+    if ((self->block_size = PyLong_FromSsize_t(block_size)) == NULL)
         return -1;
-    Py_INCREF(hasher);
-    Py_XSETREF(self->hasher, hasher);
-    Py_INCREF(leaves);
-    Py_XSETREF(self->leaves, leaves);
-    Py_INCREF(dispatcher);
-    Py_XSETREF(self->dispatcher, dispatcher);
-    Py_INCREF(latency);
-    Py_XSETREF(self->latency, latency);
-    Py_INCREF(rows_of);
-    Py_XSETREF(self->rows_of, rows_of);
-    Py_INCREF(rows);
-    Py_XSETREF(self->rows, rows);
-    Py_INCREF(beyond);
-    Py_XSETREF(self->beyond, beyond);
+    self->leaves = Py_NewRef(leaves);
+    self->dispatcher = Py_NewRef(dispatcher);
+    self->latency = Py_NewRef(latency);
+    self->rows_of = Py_NewRef(rows_of);
+    self->rows = Py_NewRef(rows);
+    self->beyond = Py_NewRef(beyond);
+    self->hasher = (Hasher *)Py_NewRef((PyObject *)hasher);  /* last: it marks it ready */
+    return 0;
+}
+
+/* It holds Python objects that may hold it back (a connection's closures, the device's
+ * dispatcher): the cycle collector sees what it holds. */
+static int FastRead_traverse(FastRead *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->hasher);
+    Py_VISIT(self->block_size);
+    Py_VISIT(self->leaves);
+    Py_VISIT(self->dispatcher);
+    Py_VISIT(self->latency);
+    Py_VISIT(self->rows_of);
+    Py_VISIT(self->rows);
+    Py_VISIT(self->beyond);
+    return 0;
+}
+
+static int FastRead_clear(FastRead *self)
+{
+    Py_CLEAR(self->hasher);
+    Py_CLEAR(self->block_size);
+    Py_CLEAR(self->leaves);
+    Py_CLEAR(self->dispatcher);
+    Py_CLEAR(self->latency);
+    Py_CLEAR(self->rows_of);
+    Py_CLEAR(self->rows);
+    Py_CLEAR(self->beyond);
     return 0;
 }
 
 static void FastRead_dealloc(FastRead *self)
 {
-    Py_XDECREF(self->hasher);
-    Py_XDECREF(self->block_size);
-    Py_XDECREF(self->leaves);
-    Py_XDECREF(self->dispatcher);
-    Py_XDECREF(self->latency);
-    Py_XDECREF(self->rows_of);
-    Py_XDECREF(self->rows);
-    Py_XDECREF(self->beyond);
+    PyObject_GC_UnTrack(self);
+    FastRead_clear(self);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -905,6 +923,10 @@ static PyObject *FastRead_read(FastRead *self, PyObject *const *args, Py_ssize_t
 {
     if (check_nargs("read", nargs, 2) < 0)
         return NULL;
+    if (self->hasher == NULL) {  /* never initialised, or cleared by the collector */
+        PyErr_SetString(PyExc_RuntimeError, "FastRead is not initialised");
+        return NULL;
+    }
     PyObject *buf = args[0];
     long long offset = PyLong_AsLongLong(args[1]);
     if (offset == -1 && PyErr_Occurred())
@@ -1022,7 +1044,10 @@ static PyTypeObject FastReadType = {
     .tp_name = "nbd_verity.format._native.FastRead",
     .tp_basicsize = sizeof(FastRead),
     .tp_dealloc = (destructor)FastRead_dealloc,
-    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_traverse = (traverseproc)FastRead_traverse,
+    .tp_clear = (inquiry)FastRead_clear,
+    .tp_free = PyObject_GC_Del,
     .tp_doc = FastRead_doc,
     .tp_methods = FastRead_methods,
     .tp_init = (initproc)FastRead_init,

@@ -267,3 +267,39 @@ def test_nbd_verity_pure_forces_the_python_engine():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                          text=True, check=True).stdout.split()
     assert out == ["python", "python", "False"]
+
+
+def test_fast_read_refuses_what_it_cannot_serve_and_hands_on_what_is_not_its():
+    """FastRead (serve/fastpath.py's native frame) checks its geometry once, refuses to
+    read before it is initialised and to be initialised twice, leaves a request over
+    the threshold to beyond() and declines (None) an unaligned one or one whose leaf is
+    not cached; the common request's bytes and counts are compared with the general
+    path's through a real device (tests/server/serve/test_fastpath.py)."""
+    from collections import OrderedDict, deque
+    from types import SimpleNamespace
+
+    fresh = _native.FastRead.__new__(_native.FastRead)
+    with pytest.raises(RuntimeError, match="FastRead is not initialised"):
+        fresh.read(bytearray(4096), 0)
+    leaves = OrderedDict()
+    args = dict(hasher=Digester("sha256", b"", 1).native, fd=0, block_size=4096,
+                hpb_bits=7, slot_size=32, leaf_start=1, leaves=leaves,
+                dispatcher=SimpleNamespace(table=(4096,) * 4), io_class=1, slot=2,
+                latency=deque(maxlen=8), rows_of={}, rows=lambda: ("not", "rows"),
+                sample_every=64, beyond=lambda buf, offset: ("beyond", len(buf), offset))
+    for key, bad in (("block_size", 4095), ("sample_every", 3), ("hpb_bits", -1)):
+        with pytest.raises(ValueError, match="out of range"):
+            _native.FastRead(**{**args, key: bad})
+    with pytest.raises(ValueError, match="not a file descriptor"):
+        _native.FastRead(**{**args, "fd": -1})
+    with pytest.raises(TypeError):
+        _native.FastRead(**{**args, "leaves": []})
+    fast = _native.FastRead(**args)
+    assert fast.read(bytearray(8192), 4096) == ("beyond", 8192, 4096)
+    assert fast.read(bytearray(4096), 1) is None and fast.read(bytearray(100), 0) is None
+    assert fast.read(bytearray(4096), 0) is None  # leaf 1 is not cached
+    leaves[1] = bytes(128 * 32)
+    with pytest.raises(TypeError, match="rows"):  # cached: the thread's rows are asked for
+        fast.read(bytearray(4096), 0)
+    with pytest.raises(RuntimeError, match="already initialised"):
+        fast.__init__(**args)
