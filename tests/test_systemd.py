@@ -8,14 +8,20 @@ service's own ExecStart line, expanded as systemd would expand it, runs under
 of the unit's sandbox as this machine can set up without systemd as pid 1 (as_unit):
 its account (User=, Group=: the sysusers file's, or an unused id where the account does
 not exist), no capability, no new privileges, and a /proc of its own processes only,
-reading the export file and the images through the group. `systemd-analyze security`
-scores the server units' exposure.
+reading the export file and the images through the group. That account cannot enter a
+checkout in a private folder (root's home is 0700), so the command it runs is a copy laid
+out as the package's is (staged_install): the nbd_verity package, with the required
+packages the venv has and Debian's python3 does not, in a dist-packages folder, and an
+entry point run by Debian's python3, in a folder anyone may traverse. `systemd-analyze
+security` scores the server units' exposure.
 """
 
 from __future__ import annotations
 
+import compileall
 import errno
 import grp
+import importlib.metadata
 import json
 import os
 import pwd
@@ -31,6 +37,7 @@ from pathlib import Path
 import nbd  # python3-libnbd, a Debian package; the venv sees system site-packages
 import pytest
 
+import nbd_verity
 from nbd_verity.launch import Launched
 
 UNITS = Path(__file__).resolve().parent.parent / "systemd"
@@ -207,6 +214,52 @@ def as_unit(unit: str, argv: list[str]) -> list[str]:
             "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", *argv]
 
 
+@pytest.fixture(scope="module")
+def staged_install():
+    """nbd-verity installed as the package lays it out (/usr/lib/python3/dist-packages and
+    /usr/bin/nbd-verity), under a 0755 folder of /var/tmp: the servers' account must read
+    the code it runs, and the checkout (and its .venv) may sit where only root may go.
+    The package is copied from the one under test, with its built extensions; so are the
+    requirements the venv installed itself (not Debian's, which the system interpreter
+    already sees). The entry point is a console script as the venv's is, run by the
+    interpreter the venv was made from (Debian's python3, the one nbdkit embeds), with the
+    staged dist-packages first on its path. Returns the entry point's path."""
+    root = Path(tempfile.mkdtemp(prefix="nvsd-install-", dir="/var/tmp"))
+    try:
+        site = root / "dist-packages"
+        shutil.copytree(Path(nbd_verity.__file__).resolve().parent, site / "nbd_verity",
+                        ignore=shutil.ignore_patterns("__pycache__", "*.c", "*.h", "*.o"))
+        for requirement in importlib.metadata.requires("nbd-verity") or ():
+            if "extra ==" in requirement:
+                continue
+            name = re.match(r"[A-Za-z0-9._-]+", requirement)[0]
+            dist = importlib.metadata.distribution(name)
+            where = Path(dist.locate_file("")).resolve()
+            if not where.is_relative_to(Path(sys.prefix).resolve()):
+                continue  # the system's (Debian's python3-*): the server sees it as it is
+            for file in dist.files or ():
+                if file.parts[0] == ".." or "__pycache__" in file.parts:
+                    continue  # console scripts (bin/) and cached bytecode
+                (site / file).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(where / file, site / file)
+        # Bytecode now, as root: the account could not write it beside the sources.
+        compileall.compile_dir(site, quiet=1)
+        interpreter = Path(sys.executable).resolve()  # the venv's base: Debian's python3
+        entry = root / "bin" / "nbd-verity"
+        entry.parent.mkdir()
+        entry.write_text(f"#!{interpreter}\n"
+                         f"import sys\n"
+                         f"sys.path.insert(0, {str(site)!r})\n"
+                         f"from nbd_verity.cli import main\n"
+                         f"if __name__ == '__main__':\n"
+                         f"    sys.exit(main())\n")
+        entry.chmod(0o755)
+        subprocess.run(["chmod", "-R", "u=rwX,go=rX", str(root)], check=True)
+        yield entry
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 @pytest.fixture
 def shared_dir():
     """A folder other users may traverse (tmp_path's parents are root's alone)."""
@@ -256,12 +309,13 @@ def write_conf(path: Path, conf: dict[str, str]) -> Path:
     return path
 
 
-def unit_argv(unit: str, key: str, specifiers: dict, conf_dir: Path, env=None) -> list[str]:
-    """A unit's Exec line as systemd would run it, with this checkout's command and
-    conf_dir in place of /etc/nbd-verity."""
+def unit_argv(unit: str, key: str, specifiers: dict, command: Path, conf_dir: Path,
+              env=None) -> list[str]:
+    """A unit's Exec line as systemd would run it, with command (staged_install's) in
+    place of the shipped one and conf_dir in place of /etc/nbd-verity."""
     (line,) = directive(unit, key)
     argv = expand_exec(line, env or {}, specifiers)
-    return [a.replace(SHIPPED_BIN, str(NBD_VERITY)).replace(CONF_DIR, str(conf_dir))
+    return [a.replace(SHIPPED_BIN, str(command)).replace(CONF_DIR, str(conf_dir))
             for a in argv]
 
 
@@ -281,7 +335,8 @@ def conf_folder(parent: Path, unit: str) -> Path:
     return group_only(conf_dir, unit_ids(unit)[1], 0o750)
 
 
-def test_socket_activated_service_serves(systemd_tools, export, shared_dir: Path):
+def test_socket_activated_service_serves(systemd_tools, staged_install, export,
+                                         shared_dir: Path):
     unit = "nbd-verity@.service"
     data = Path(export["DATA"])
     # Corrupt block 9 after formatting: the served image no longer matches its tree.
@@ -294,7 +349,7 @@ def test_socket_activated_service_serves(systemd_tools, export, shared_dir: Path
     conf_dir = conf_folder(shared_dir, unit)
     # serve reads it itself (--export-file); 0640 root:nbd-verity, as one with a secret
     group_only(write_conf(conf_dir / "demo.conf", export), unit_ids(unit)[1], 0o640)
-    argv = as_unit(unit, unit_argv(unit, "ExecStart", specifiers, conf_dir))
+    argv = as_unit(unit, unit_argv(unit, "ExecStart", specifiers, staged_install, conf_dir))
     (listen,) = directive("nbd-verity@.socket", "ListenStream")
     sock = re.sub(r"%(.)", lambda m: specifiers[m.group(1)], listen)
     control = runtime / "nbd-verity" / "demo" / "ctl.sock"
@@ -309,6 +364,9 @@ def test_socket_activated_service_serves(systemd_tools, export, shared_dir: Path
         # The exec chain kept one pid: nbdkit's LISTEN_PID check passed.
         assert Path(f"/proc/{server.pid}/comm").read_text().strip() == "nbdkit"
         assert_runs_as_unit(server.pid, unit)
+        # nbdkit runs the staged package's plugin, not the checkout's.
+        plugin = str(staged_install.parent.parent / "dist-packages" / "nbd_verity")
+        assert plugin in Path(f"/proc/{server.pid}/cmdline").read_text(), plugin
         expected = data.read_bytes()
         assert h.pread(9 * BLOCK, 0) == expected[:9 * BLOCK]
         assert h.pread(246 * BLOCK, 10 * BLOCK) == expected[10 * BLOCK:]
@@ -321,7 +379,7 @@ def test_socket_activated_service_serves(systemd_tools, export, shared_dir: Path
         assert json.loads(status)["status"]["status"] == "C"
 
 
-def test_socket_activated_exports_service_serves_each_by_name(systemd_tools,
+def test_socket_activated_exports_service_serves_each_by_name(systemd_tools, staged_install,
                                                               shared_dir: Path):
     """nbd-verity-exports.service as systemd runs it, on a directory of two export files;
     its ExecReload (as the unit's user too) adds a third; each reads back its own image
@@ -344,7 +402,7 @@ def test_socket_activated_exports_service_serves_each_by_name(systemd_tools,
     runtime = shared_dir / "run"
     runtime_directory(runtime, unit, "exports")
     specifiers = {"t": str(runtime), "%": "%"}
-    argv = as_unit(unit, unit_argv(unit, "ExecStart", specifiers, conf_dir))
+    argv = as_unit(unit, unit_argv(unit, "ExecStart", specifiers, staged_install, conf_dir))
     (listen,) = directive("nbd-verity-exports.socket", "ListenStream")
     sock = re.sub(r"%(.)", lambda m: specifiers[m.group(1)], listen)
     control = runtime / "nbd-verity" / "exports" / "ctl.sock"
@@ -354,7 +412,8 @@ def test_socket_activated_exports_service_serves_each_by_name(systemd_tools,
     with server.start(timeout=30):
         assert_runs_as_unit(server.pid, unit)
         write_conf(conf_dir / "gamma.conf", images["gamma"])
-        reload = as_unit(unit, unit_argv(unit, "ExecReload", specifiers, conf_dir))
+        reload = as_unit(unit, unit_argv(unit, "ExecReload", specifiers, staged_install,
+                                         conf_dir))
         done = subprocess.run(reload, capture_output=True, text=True, timeout=60)
         assert done.returncode == 0 and "gamma" in done.stdout, done
         for name, image in images.items():
