@@ -9,6 +9,7 @@
      │    ├── SuperblockError   a superblock defect (magic, version, hash type, sizes)
      │    └── PartitionTableError  a GPT that is missing, damaged, or holds no verity triple
      ├── ImageIOError           an image that cannot be opened or read (missing, truncated)
+     ├── AttachError            attach: a server or the kernel's NBD driver refused a step
      └── CorruptionError        a block whose digest does not match the trusted tree
           ├── DataCorruption    a data block (the kernel's "data block N is corrupted")
           └── HashCorruption    a hash block ("metadata block N is corrupted")
@@ -20,6 +21,11 @@ them into exit codes, errno values or error replies.
 
 class VerityError(Exception):
     """Root of every error nbd-verity reports to a user."""
+
+
+class AttachError(VerityError):
+    """attach/detach: a server that cannot be used (unreachable, another image) or a
+    request the kernel's NBD driver refused."""
 
 
 class ConfigError(VerityError):

@@ -226,3 +226,20 @@ def status_cmd(control: str, as_json: bool, export: str | None) -> None:
                f"mode {status['mode']}  uptime {status['uptime_s']:.0f} s")
     if "trust" in status:
         click.echo(trust_line(status["trust"]))
+
+
+@ctl.command("stop")
+@click.option("--json", "as_json", is_flag=True, help="Print the raw reply.")
+@click.pass_obj
+@edge
+def stop_cmd(control: str, as_json: bool) -> None:
+    """Stop the server without costing a client a read: new connections are refused, each
+    client connection is closed at a moment it has nothing in flight (a client such as
+    `nbd-verity attach` then reconnects), then the server exits."""
+    from ..serve.drain import DRAIN_S
+    reply = checked(control, {"cmd": "stop"}, timeout=DRAIN_S + 10)
+    if as_json:
+        click.echo(json.dumps(reply))
+        return
+    click.echo(f"stopping: {reply['drained']} connection(s) drained, {reply['cut']} cut, "
+               f"in {reply['seconds']} s" if "drained" in reply else "stopping (already asked)")

@@ -21,6 +21,8 @@ COMMANDS = {  # name -> "module:attribute", in the order help lists them
     "serve": "nbd_verity.cli.serve:serve_cmd",
     "ctl": "nbd_verity.cli.ctl:ctl",
     "tune": "nbd_verity.cli.tune:tune_cmd",
+    "attach": "nbd_verity.cli.attach:attach_cmd",
+    "detach": "nbd_verity.cli.attach:detach_cmd",
 }
 
 

@@ -29,6 +29,7 @@ FIELDS = {
     "thresholds": {"cmd", "set", "preset"},
     "stats": {"cmd", "reset", "export"},
     "status": {"cmd", "export"},
+    "stop": {"cmd"},
     "exports": {"cmd", "reload", "deadline"},
 }
 

@@ -6,6 +6,7 @@ Requests (`cmd` names the command; docs/control.md has examples):
   {"cmd": "thresholds", "preset": "kernel"}          -> load a preset
   {"cmd": "stats"} / {"cmd": "stats", "reset": true} -> counters (then zero them)
   {"cmd": "status"}                                  -> V/C, corruptions, uptime
+  {"cmd": "stop"}                                    -> drain clients, then shut down
 Every reply has "ok"; failures are {"ok": false, "error": "..."} and change nothing.
 
 The client half (`request`, `exchange`) is what `nbd-verity ctl`, tune, the launcher and
@@ -108,6 +109,7 @@ _FIELDS = {  # the fields each command accepts
     "thresholds": {"cmd", "set", "preset"},
     "stats": {"cmd", "reset"},
     "status": {"cmd"},
+    "stop": {"cmd"},
 }
 
 
@@ -162,6 +164,14 @@ def answered(work) -> dict | Future:
         from ..log import log
         log(f"control: {type(e).__name__}: {e}")
         return {"ok": False, "error": f"internal error: {type(e).__name__}"}
+
+
+def _stop_in_background(stop) -> Future:
+    """A Future of stop()'s reply, done on a thread of its own."""
+    future: Future = Future()
+    threading.Thread(target=lambda: future.set_result(answered(stop)), name="control-stop",
+                     daemon=True).start()
+    return future
 
 
 class Control:
@@ -231,3 +241,8 @@ class Control:
 
     def _status(self, request: dict) -> dict:
         return {"status": self.device.status()}
+
+    def _stop(self, request: dict) -> Future:
+        """Drain every client connection, then shut the server down (serve/drain.py);
+        answered once the connections are closed."""
+        return _stop_in_background(self.device.hooks.stop)

@@ -47,11 +47,13 @@ from nbd_verity.prepare.config import (
 from nbd_verity.read.counters import RESTART_ON_CORRUPTION
 from nbd_verity.schedule import gate
 from nbd_verity.serve import device, nbdkit_compat, threadstate
+from nbd_verity.serve.drain import Drain
 from nbd_verity.sources import remote, resident
 
 API_VERSION = 2
 __all__ = ["API_VERSION", "after_fork", "block_size", "cache", "can_cache", "can_multi_conn",
            "can_write", "cleanup", "close", "config", "config_complete", "default_export",
+           "export_description",
            "get_ready", "get_size", "is_rotational", "list_exports", "open", "pread",
            "thread_model"]
 
@@ -60,6 +62,7 @@ EXIT_RESTART = 75  # exit status after restart-on-corruption (EX_TEMPFAIL): supe
 _builder = ConfigBuilder()
 _server = None  # a Device (one image) or an ExportSet (the exports of a directory): the
 # same calls (open, closed, list, corruptions, start_threads, close)
+_drain = Drain()  # `ctl stop` (serve/drain.py); made again in get_ready with the control path
 _restart_requested = threading.Event()
 _format_exception = traceback.format_exception
 _failed_reads = [0]  # requests answered with an error, for the log summary
@@ -233,8 +236,10 @@ def config_complete():
 
 
 def get_ready():
-    global _server
-    hooks = device.Hooks(peer_pid=_peer_pid, stopping=_stopping, may_name=_may_name)
+    global _server, _drain
+    _drain = Drain(exclude_paths=(_config.control or "",))
+    hooks = device.Hooks(peer_pid=_peer_pid, stopping=_stopping, may_name=_may_name,
+                         stop=lambda: _drain.stop(nbdkit.shutdown))
     if _config.exports is not None:
         from nbd_verity.serve.exportset import ExportSet  # many images, one server
         _server = ExportSet(_config, hooks)
@@ -280,6 +285,8 @@ def default_export(readonly, is_tls):
 
 def open(readonly):
     problem = None
+    if _drain.draining:  # `ctl stop`: a reconnecting client finds the next server
+        _failures.fail(errno.ESHUTDOWN, "the server is stopping")
     try:
         h = _server.open(nbdkit.export_name())
         _gate.opened(h.io_class)  # ranked against the other connections (schedule/gate.py)
@@ -298,6 +305,11 @@ def close(h):
 
 def get_size(h):
     return h.device.size
+
+
+def export_description(h):
+    """NBD_INFO_DESCRIPTION: the image, by its root hash (nbd-verity attach checks it)."""
+    return h.device.description()
 
 
 def block_size(h):

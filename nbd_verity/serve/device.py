@@ -49,6 +49,7 @@ class Hooks:
     peer_pid: Callable[[], int] = lambda: -1
     may_name: Callable[[int], bool] = lambda io_class: True  # a class above the default
     stopping: Callable[[], bool] = lambda: False  # nbdkit shutting down: NBD waits end
+    stop: Callable[[], dict] = lambda: {}  # `ctl stop`: drain the clients, then shut down
 
 
 class Device:
@@ -101,12 +102,12 @@ class Device:
         return [("", self.description())]
 
     def description(self) -> str:
-        """What `nbdinfo --list` shows beside the export's name."""
+        """What `nbdinfo --list` shows beside the export's name, and NBD_INFO_DESCRIPTION
+        in the handshake: `nbd-verity attach` reads the image's root hash in it."""
         trust = self.trust
         signer = (f"signed by {trust.signature.signer.subject}" if trust.signature
                   else "unsigned")
-        return (f"verified, {self.size} bytes, root hash {trust.root_hex[:16]}..., "
-                f"{signer}")
+        return f"verified, {self.size} bytes, root hash {trust.root_hex}, {signer}"
 
     def corruptions(self) -> int:
         return self.verifier.counters.corruptions

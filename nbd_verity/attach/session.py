@@ -1,0 +1,381 @@
+"""One attached device: connect it (or adopt it), then keep its links alive.
+
+The reconnect loop is a small state machine driven by the kernel's NBD_CMD_LINK_DEAD, as
+in rbd-nbd and NBS: a dead link gets a new connection (any URI, in turn, with a bounded
+backoff) that is negotiated here and handed over with NBD_CMD_RECONFIGURE; meanwhile the
+kernel holds new requests for up to the dead-connection timeout. Every new connection must
+name the same image (root hash) and size as the device has: a server of another image is
+skipped, never handed over. The image's identity lives in the device's backend identifier
+("nbd-verity:ROOT_HASH:SIZE"), so that a new attach adopts a device an earlier one set up.
+
+Timers (docs/attach.md has the measurements):
+- DEAD_TIMEOUT_S: how long new reads wait for a server before they fail with EIO.
+- No kernel request timeout by default: the kernel then never cuts a slow link, and at each
+  tick of the block layer's timer (IO_TIMER_MS) resends a request only if the link it was
+  sent on has been replaced, which is what a request in flight on a dead link needs.
+Stopping attach leaves the device attached (reads wait for the next attach, within the
+dead timeout); only detach (NBD_CMD_DISCONNECT) ends it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import AttachError
+from ..files import write_atomically
+from . import kernel
+from .handshake import Negotiated, Uri, negotiate
+from .kernel import NbdKernel
+
+BLOCK_SIZE = 4096  # one verity data block: a 4 KiB read is one NBD request
+DEAD_TIMEOUT_S = 60
+IO_TIMER_MS = 1000  # the block layer's timer with one link (see above)
+IO_TIMER_MULTI_MS = 30_000  # with several links the kernel cuts any request this old
+BACKOFF_FIRST_S = 0.05
+BACKOFF_MAX_S = 0.25  # a server back after a restart is found within this
+FIRST_CONNECT_S = 10  # attaching (not reconnecting) gives up after this long
+STATE_DIR = Path("/run/nbd-verity/attach")
+BACKEND_PREFIX = "nbd-verity:"
+
+
+@dataclass(frozen=True)
+class Identity:
+    """The image a device shows: its root hash and size. No server of another is used."""
+
+    root_hash: str
+    size: int
+
+    @property
+    def backend(self) -> str:
+        return f"{BACKEND_PREFIX}{self.root_hash}:{self.size}"
+
+    @classmethod
+    def from_backend(cls, text: str | None) -> Identity | None:
+        if not text or not text.startswith(BACKEND_PREFIX):
+            return None
+        root, _, size = text[len(BACKEND_PREFIX):].rpartition(":")
+        return cls(root, int(size)) if root and size.isdigit() else None
+
+    def refuses(self, got: Negotiated) -> str | None:
+        """Why a negotiated server cannot serve this device, None if it can."""
+        if got.root_hash is None:
+            return "it names no root hash (not an nbd-verity server)"
+        if got.root_hash != self.root_hash:
+            return f"it serves another image (root hash {got.root_hash[:16]}...)"
+        if got.size != self.size:
+            return f"its export has {got.size} bytes, the device {self.size}"
+        return None
+
+
+@dataclass
+class Options:
+    uris: list[Uri]
+    device: int | None = None
+    connections: int = 1
+    dead_timeout_s: int = DEAD_TIMEOUT_S
+    timeout_s: int = 0  # the kernel's request timeout (0: none, see the docstring)
+    root_hash: str | None = None
+    state_dir: Path = STATE_DIR
+
+
+@dataclass
+class State:
+    """What `attach --list` shows of a running attach (written to STATE_DIR/nbdN.json)."""
+
+    device: str
+    pid: int
+    uris: list[str]
+    root_hash: str
+    size: int
+    connections: int
+    server: str = ""
+    reconnects: int = 0
+    skipped: int = 0
+    last_wait_s: float = 0.0
+    longest_wait_s: float = 0.0
+    events: list[str] = field(default_factory=list)
+
+
+class Session:
+    """One attach process: set up or adopt the device, then serve its LINK_DEAD events."""
+
+    def __init__(self, options: Options, say: Callable[[str], None],
+                 notify: Callable[[str], None] = lambda _msg: None) -> None:
+        if not options.uris:
+            raise AttachError("give at least one server URI")
+        self.options = options
+        self.say = say
+        self.notify = notify
+        self.kernel = NbdKernel()
+        self.identity: Identity | None = None
+        self.index: int | None = options.device
+        self.state: State | None = None
+        self._next_uri = 0
+        self._stop = False
+
+    # -- setting up -----------------------------------------------------------------
+
+    def start(self) -> None:
+        """Connect the device, or adopt it when an earlier attach connected it."""
+        self.kernel.subscribe()  # before connecting: no LINK_DEAD is missed
+        if self.index is not None and kernel.connected(self.index):
+            self._adopt()
+        else:
+            self._connect()
+        kernel.set_io_timer(self.index, IO_TIMER_MS if self.options.connections == 1
+                            else IO_TIMER_MULTI_MS)
+        self._write_state()
+        self.notify(f"READY=1\nSTATUS=/dev/nbd{self.index}: {self.state.server}")
+
+    def _connect(self) -> None:
+        first = self._negotiate(self._wanted_identity())
+        self.identity = Identity(first.root_hash, first.size)
+        links = [first]
+        try:
+            if self.options.connections > 1 and not first.multi_conn:
+                self.say(f"{self._uri_text()}: the server does not allow several "
+                         f"connections: using one")
+            else:
+                links += [self._negotiate(self.identity)
+                          for _ in range(self.options.connections - 1)]
+            self.index = self.kernel.connect(
+                [link.sock.fileno() for link in links], first.size, first.flags, BLOCK_SIZE,
+                self.options.dead_timeout_s, self.options.timeout_s,
+                self.identity.backend, self.index)
+        finally:
+            for link in links:  # the kernel holds its own reference to each socket
+                link.sock.close()
+        self.options.connections = len(links)
+        self._new_state(first)
+        self.say(f"/dev/nbd{self.index}: attached to {self._uri_text()}, {first.size} bytes, "
+                 f"root hash {self.identity.root_hash}, {len(links)} connection(s)")
+
+    def _wanted_identity(self) -> Identity | None:
+        """The identity the first server must show: none yet, unless --root-hash says."""
+        return None if self.options.root_hash is None else _PinnedRoot(self.options.root_hash)
+
+    def _adopt(self) -> None:
+        """Take over a device an earlier attach set up, if it shows the same image. Its
+        links may have died while no attach ran (the kernel's status cannot say): each
+        gets a fresh connection now; the kernel drops those it has no dead link for."""
+        found = Identity.from_backend(kernel.backend(self.index))
+        if found is None:
+            raise AttachError(f"/dev/nbd{self.index} is in use by something else than "
+                              f"nbd-verity attach (backend {kernel.backend(self.index)!r})")
+        if self.options.root_hash is not None and found.root_hash != self.options.root_hash:
+            raise AttachError(f"/dev/nbd{self.index} is attached to another image "
+                              f"(root hash {found.root_hash[:16]}...)")
+        self.identity = found
+        links = [self._negotiate(found) for _ in range(self.options.connections)]
+        try:
+            self.kernel.reconfigure(self.index, [link.sock.fileno() for link in links],
+                                   found.backend)
+        finally:
+            for link in links:
+                link.sock.close()
+        self._new_state(links[0])
+        self.state.events.append(f"{_now()} adopted")
+        self.say(f"/dev/nbd{self.index}: adopted (root hash {found.root_hash}), serving from "
+                 f"{self._uri_text()}")
+
+    # -- the loop --------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Serve LINK_DEAD until the device is detached or a signal stops this process."""
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(signum, self._on_signal)
+        while not self._stop:
+            try:
+                dead = self.kernel.link_dead(timeout=1.0)
+            except InterruptedError:
+                continue
+            for index in dead:
+                if index == self.index:
+                    self._replace_link()
+            if not kernel.connected(self.index) \
+                    or kernel.backend(self.index) != self.identity.backend:
+                self.say(f"/dev/nbd{self.index}: detached")
+                self._remove_state()
+                return
+        self.say(f"/dev/nbd{self.index}: attach stops; the device stays attached "
+                 f"(reads wait up to {self.options.dead_timeout_s} s for the next attach)")
+        self._remove_state()
+
+    def _on_signal(self, _signum, _frame) -> None:
+        self._stop = True
+
+    def _replace_link(self) -> None:
+        """A link died: a new connection to a server of the same image, handed over."""
+        started = time.monotonic()
+        self.say(f"/dev/nbd{self.index}: link dead, reconnecting")
+        link = self._negotiate(self.identity, stoppable=True)
+        if link is None:
+            return
+        try:
+            self.kernel.reconfigure(self.index, [link.sock.fileno()], self.identity.backend)
+        finally:
+            link.sock.close()
+        waited = time.monotonic() - started
+        state = self.state
+        state.reconnects += 1
+        state.server = self._uri_text()
+        state.last_wait_s = round(waited, 3)
+        state.longest_wait_s = max(state.longest_wait_s, state.last_wait_s)
+        event = f"{_now()} reconnected to {state.server} in {waited:.3f} s"
+        state.events = [*state.events, event][-20:]
+        self._write_state()
+        self.notify(f"STATUS=/dev/nbd{self.index}: {state.server}, {state.reconnects} "
+                    f"reconnect(s)")
+        self.say(f"/dev/nbd{self.index}: reconnected to {state.server} in {waited:.3f} s")
+
+    def _negotiate(self, identity, stoppable: bool = False) -> Negotiated | None:
+        """A connection to the first URI (in turn) that serves identity's image; retried
+        with a backoff until one does: while attaching, for FIRST_CONNECT_S at most (then
+        AttachError with the reasons); for a dead link until a signal stops attach (then
+        None)."""
+        delay = BACKOFF_FIRST_S
+        said: set[str] = set()
+        deadline = time.monotonic() + FIRST_CONNECT_S
+        while True:
+            for _ in range(len(self.options.uris)):
+                uri = self.options.uris[self._next_uri]
+                try:
+                    got = negotiate(uri)
+                except AttachError as e:
+                    self._say_once(said, str(e))
+                    self._advance()
+                    continue
+                refusal = identity.refuses(got) if identity is not None else None
+                if refusal is None and identity is None and got.root_hash is None:
+                    refusal = "it names no root hash (not an nbd-verity server)"
+                if refusal is None:
+                    return got
+                got.close()
+                if self.state is not None:
+                    self.state.skipped += 1
+                self._say_once(said, f"{uri.text}: skipped: {refusal}")
+                self._advance()
+            if stoppable and self._stop:
+                return None
+            if not stoppable and time.monotonic() > deadline:
+                raise AttachError(f"no server of the image within {FIRST_CONNECT_S} s: "
+                                  + "; ".join(sorted(said)))
+            time.sleep(delay)
+            delay = min(delay * 2, BACKOFF_MAX_S)
+
+    def _advance(self) -> None:
+        self._next_uri = (self._next_uri + 1) % len(self.options.uris)
+
+    def _say_once(self, said: set[str], line: str) -> None:
+        if line not in said:
+            said.add(line)
+            self.say(line)
+
+    def _uri_text(self) -> str:
+        return self.options.uris[self._next_uri].text
+
+    # -- state for --list -----------------------------------------------------------
+
+    def _new_state(self, link: Negotiated) -> None:
+        self.state = State(device=f"/dev/nbd{self.index}", pid=os.getpid(),
+                           uris=[u.text for u in self.options.uris],
+                           root_hash=self.identity.root_hash, size=self.identity.size,
+                           connections=self.options.connections, server=self._uri_text())
+
+    def _state_path(self) -> Path:
+        return self.options.state_dir / f"nbd{self.index}.json"
+
+    def _write_state(self) -> None:
+        try:
+            self.options.state_dir.mkdir(parents=True, exist_ok=True, mode=0o755)
+            write_atomically(str(self._state_path()),
+                             json.dumps(self.state.__dict__, indent=1) + "\n", 0o644)
+        except OSError as e:
+            self.say(f"{self._state_path()}: {e.strerror} (attach --list will not show it)")
+
+    def _remove_state(self) -> None:
+        with contextlib.suppress(OSError):
+            self._state_path().unlink()
+
+    def close(self) -> None:
+        self.kernel.close()
+
+
+class _PinnedRoot:
+    """The identity --root-hash asks of the first server: that root hash, any size."""
+
+    def __init__(self, root_hash: str) -> None:
+        self.root_hash = root_hash.lower()
+
+    def refuses(self, got: Negotiated) -> str | None:
+        if got.root_hash is None:
+            return "it names no root hash (not an nbd-verity server)"
+        if got.root_hash != self.root_hash:
+            return f"it serves another image (root hash {got.root_hash[:16]}...)"
+        return None
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S")
+
+
+def detach(device: str) -> None:
+    """End the device's connection (the attach serving it then exits)."""
+    index = kernel.device_index(device)
+    if not kernel.connected(index):
+        raise AttachError(f"/dev/nbd{index}: not attached")
+    with NbdKernel() as nbd:
+        nbd.disconnect(index)
+
+
+def listing(state_dir: Path = STATE_DIR) -> list[dict]:
+    """Every connected nbd device: its size and backend, and what its attach says."""
+    rows = []
+    for index in kernel.devices():
+        if not kernel.connected(index):
+            continue
+        row: dict = {"device": f"/dev/nbd{index}", "size": kernel.size_bytes(index),
+                     "backend": kernel.backend(index)}
+        try:
+            state = json.loads((state_dir / f"nbd{index}.json").read_text())
+            if _alive(state.get("pid")):
+                row.update(state)
+        except (OSError, ValueError):
+            pass
+        rows.append(row)
+    return rows
+
+
+def _alive(pid) -> bool:
+    if not isinstance(pid, int):
+        return False
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def sd_notify(message: str) -> None:
+    """Tell systemd (Type=notify) what NOTIFY_SOCKET asks to hear; nothing without it."""
+    path = os.environ.get("NOTIFY_SOCKET")
+    if not path:
+        return
+    if path.startswith("@"):
+        path = "\0" + path[1:]
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        try:
+            sock.connect(path)
+            sock.sendall(message.encode())
+        except OSError:
+            pass
