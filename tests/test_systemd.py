@@ -78,9 +78,14 @@ def directive(name: str, key: str) -> list[str]:
 def test_units_name_the_installed_paths():
     for unit in ("nbd-verity@.service", "nbd-verity-exports.service"):
         assert directive(unit, "ExecStart")[0].startswith(f"{SHIPPED_BIN} serve ")
+    for unit in ("nbd-verity@.service", "nbd-verity-exports.service"):
+        (stop,) = directive(unit, "ExecStop")  # the drain before SIGTERM, failure ignored
+        assert stop.startswith(f"-{SHIPPED_BIN} ctl --control ") and stop.endswith(" stop")
     for unit in ("nbd-verity-attach@.service", "nbd-verity-exports-attach@.service"):
-        for key in ("ExecStart", "ExecStop"):
-            assert directive(unit, key)[0].startswith("/usr/sbin/nbd-client ")
+        assert directive(unit, "ExecStart")[0].startswith(f"{SHIPPED_BIN} attach ")
+        # Stopping attach never detaches, and the device is not PartOf= its server.
+        assert directive(unit, "ExecStop") == [] and directive(unit, "PartOf") == []
+        assert directive(unit, "Type") == ["notify"]
 
 
 def test_units_verify(systemd_tools, tmp_path: Path):
@@ -423,4 +428,4 @@ def test_socket_activated_exports_service_serves_each_by_name(systemd_tools, sta
             assert h.pread(64 * BLOCK, 0) == Path(image["DATA"]).read_bytes()
             h.shutdown()
         (attach,) = directive("nbd-verity-exports-attach@.service", "ExecStart")
-        assert " -N %i " in attach and "%t/nbd-verity/exports.sock" in attach
+        assert "nbd+unix:///%i?socket=%t/nbd-verity/exports.sock" in attach

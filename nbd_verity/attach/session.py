@@ -37,7 +37,7 @@ from .kernel import NbdKernel
 
 BLOCK_SIZE = 4096  # one verity data block: a 4 KiB read is one NBD request
 DEAD_TIMEOUT_S = 60
-IO_TIMER_MS = 1000  # the block layer's timer with one link (see above)
+IO_TIMER_MS = 250  # the block layer's timer with one link (see above)
 IO_TIMER_MULTI_MS = 30_000  # with several links the kernel cuts any request this old
 BACKOFF_FIRST_S = 0.05
 BACKOFF_MAX_S = 0.25  # a server back after a restart is found within this

@@ -26,9 +26,11 @@ interrupt during that wait stops the guest.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -164,6 +166,56 @@ class Server:
 
 def server_socket(work: Path, port: int) -> Path:
     return work / f"server-{port}.sock"
+
+
+class ServerProcess:
+    """One server on WORK/server-PORT.sock that a test stops and starts again at will:
+    stop() as its unit stops it (`ctl stop`, then SIGTERM if it is still there), kill()
+    as a crash (SIGKILL). The socket's file is removed before each start, as a socket unit
+    would keep it: between two servers nothing listens."""
+
+    def __init__(self, server: Server, port: int, work: Path, name: str) -> None:
+        self.server, self.port, self.work, self.name = server, port, work, name
+        self.starts = 0
+        self._launched: Launched | None = None
+
+    @property
+    def control(self) -> Path:
+        return self.work / f"{self.name}.ctl"
+
+    def start(self) -> ServerProcess:
+        self.starts += 1
+        pid_file = self.work / f"{self.name}.pid"
+        socket = server_socket(self.work, self.port)
+        for path in (pid_file, socket, self.control):
+            path.unlink(missing_ok=True)
+        extra = (("--control", str(self.control)) if self.server.kind != "nbdkit-file"
+                 else ())
+        server = Server(self.server.export, self.server.kind,
+                        (*self.server.extra_args, *extra))
+        self._launched = Launched(server.argv(socket, pid_file), pid_file=pid_file,
+                                  socket=socket, log_path=self.work / f"{self.name}."
+                                  f"{self.starts}.log", name=self.name)
+        self._launched.start(timeout=SERVER_START_S)
+        return self
+
+    def stop(self) -> dict:
+        """`nbd-verity ctl stop` (the units' ExecStop), then wait for the exit."""
+        out = subprocess.run([str(NBD_VERITY), "ctl", "--control", str(self.control), "stop",
+                              "--json"], capture_output=True, text=True, timeout=60)
+        if out.returncode != 0:
+            raise AssertionError(f"{self.name}: ctl stop failed: {out.stderr}")
+        self._launched.wait(timeout=15)
+        self._launched.stop()
+        return json.loads(out.stdout)
+
+    def kill(self) -> None:
+        os.kill(self._launched.pid, signal.SIGKILL)
+        self._launched.wait(timeout=15)
+
+    def close(self) -> None:
+        if self._launched is not None:
+            self._launched.stop()
 
 
 @contextmanager
@@ -357,10 +409,13 @@ def qemu_argv(guest: Guest, disks: Sequence[Path], work: Path,
         f"E2E_INIT={GUEST_DIR / 'init.sh'}", f"E2E_WORK={work}",
         *builtin_parameters(guest.kernel)])
     # One rule per port: each guest connection to 10.0.2.100:PORT runs its own socat to
-    # the server's Unix socket. restrict=on: no other traffic in or out.
+    # the server's Unix socket. restrict=on: no other traffic in or out. socat's stderr is
+    # the guest's connection too (QEMU hands the command the socket as every standard
+    # stream): its messages (a refused connect while a server restarts) go to a log file,
+    # never into the guest's NBD stream.
     forwards = "".join(
-        f",guestfwd=tcp:{GUEST_HOST_ADDR}:{port}-cmd:socat STDIO "
-        f"UNIX-CONNECT:{server_socket(work, port)}" for port in ports)
+        f",guestfwd=tcp:{GUEST_HOST_ADDR}:{port}-cmd:socat -lf {work}/socat-{port}.log "
+        f"STDIO UNIX-CONNECT:{server_socket(work, port)}" for port in ports)
     argv = [shutil.which("qemu-system-x86_64") or "/usr/bin/qemu-system-x86_64",
             "-accel", accel, "-cpu", "max", "-smp", str(GUEST_CPUS), "-m", GUEST_MEM,
             "-nodefaults", "-no-user-config", "-display", "none", "-serial", "stdio",
@@ -381,17 +436,20 @@ def qemu_argv(guest: Guest, disks: Sequence[Path], work: Path,
 
 @contextmanager
 def guest_session(script: str, disks: Sequence[Path], servers: Mapping[int, Server],
-                  work: Path, timeout_s: int = GUEST_TIMEOUT_S) -> Iterator[LiveGuest]:
+                  work: Path, timeout_s: int = GUEST_TIMEOUT_S,
+                  ports: Sequence[int] = ()) -> Iterator[LiveGuest]:
     """Servers on their sockets and a guest booted in the background.
 
-    The block talks to the guest (wait_for/signal) and ends with guest.finish(); on the way
-    out the guest (if still running) and the servers are stopped.
+    ports: more ports the guest may reach, whose servers the test starts and stops itself
+    (on server_socket(work, port), e.g. with ServerProcess). The block talks to the guest
+    (wait_for/signal) and ends with guest.finish(); on the way out the guest (if still
+    running) and the servers are stopped.
     """
     work.mkdir(parents=True, exist_ok=True)
     with ExitStack() as stack:
         for port, server in servers.items():
             stack.enter_context(nbd_server(server, port, work))
-        guest = LiveGuest(script, disks, work, ports=list(servers), timeout_s=timeout_s)
+        guest = LiveGuest(script, disks, work, ports=[*servers, *ports], timeout_s=timeout_s)
         try:
             yield guest
         finally:
