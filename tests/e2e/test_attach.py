@@ -65,7 +65,7 @@ wait "$reader"
 {NBD_VERITY} detach /dev/nbd0
 while kill -0 "$(cat "$TMPDIR/attach.pid")" 2>/dev/null; do sleep 0.05; done
 cat /sys/block/nbd0/size >"$E2E_WORK/size.after"
-[ ! -e /sys/block/nbd0/pid ] && echo gone >"$E2E_WORK/pid.after" || echo still >"$E2E_WORK/pid.after"
+if [ -e /sys/block/nbd0/pid ]; then echo still; else echo gone; fi >"$E2E_WORK/pid.after"
 """
 
 
