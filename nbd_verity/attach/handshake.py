@@ -57,9 +57,11 @@ class Uri:
             return cls(text=text, export=export, unix=sockets[0])
         if parts.scheme == "nbd":
             try:
-                port = parts.port or DEFAULT_PORT
+                port = DEFAULT_PORT if parts.port is None else parts.port
             except ValueError:
                 raise AttachError(f"{text}: bad port") from None
+            if not 0 < port < 65536:
+                raise AttachError(f"{text}: bad port")
             if not parts.hostname:
                 raise AttachError(f"{text}: no host")
             return cls(text=text, export=export, host=parts.hostname, port=port)

@@ -9,6 +9,7 @@ layer's request timer in ms. Everything here needs CAP_SYS_ADMIN, as the kernel 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
@@ -32,7 +33,9 @@ def family(sock: GenlSocket) -> tuple[int, int]:
     except NetlinkError as e:
         if e.errno != errno.ENOENT:
             raise
-        subprocess.run(["modprobe", "nbd"], capture_output=True)
+        # no modprobe (no kmod): the lookup below says what is missing
+        with contextlib.suppress(OSError):
+            subprocess.run(["modprobe", "nbd"], capture_output=True)
         try:
             fam, groups = genl.resolve_family(sock, uapi.NBD_GENL_FAMILY_NAME)
         except NetlinkError:

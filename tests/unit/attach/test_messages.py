@@ -306,6 +306,7 @@ def test_uri_parse(text, export, unix, host, port):
     ("nbd+unix:///exp?socket=relative.sock", "nbd+unix needs ?socket=/absolute/path"),
     ("nbd://host:port/exp", "bad port"),
     ("nbd://host:70000/exp", "bad port"),
+    ("nbd://host:0/exp", "bad port"),
     ("nbd:///exp", "no host"),
     ("garbage", "not an NBD URI"),
     ("relative/path.sock", "not an NBD URI"),
@@ -318,3 +319,11 @@ def test_uri_refused_in_one_line(text, why):
     message = str(caught.value)
     assert message.startswith(f"{text}: ") and why in message, message
     assert "\n" not in message
+
+
+def test_no_nbd_driver_is_one_attach_error_even_without_modprobe():
+    """This host's kernel has no nbd family (and may have no modprobe): AttachError."""
+    from nbd_verity.attach.kernel import NbdKernel
+    from nbd_verity.errors import AttachError
+    with pytest.raises(AttachError, match="the kernel has no nbd driver"):
+        NbdKernel()
