@@ -39,8 +39,12 @@ BLOCK_SIZE = 4096  # one verity data block: a 4 KiB read is one NBD request
 DEAD_TIMEOUT_S = 60
 IO_TIMER_MS = 250  # the block layer's timer with one link (see above)
 IO_TIMER_MULTI_MS = 30_000  # with several links the kernel cuts any request this old
+# Between rounds of tries: 0.05 s doubling to 0.1 s (a server back after a restart is
+# found within that), and 1 s once a link has been dead for BACKOFF_SLOW_AFTER_S.
 BACKOFF_FIRST_S = 0.05
-BACKOFF_MAX_S = 0.25  # a server back after a restart is found within this
+BACKOFF_MAX_S = 0.1
+BACKOFF_SLOW_S = 1.0
+BACKOFF_SLOW_AFTER_S = 30.0
 FIRST_CONNECT_S = 10  # attaching (not reconnecting) gives up after this long
 STATE_DIR = Path("/run/nbd-verity/attach")
 BACKEND_PREFIX = "nbd-verity:"
@@ -269,7 +273,8 @@ class Session:
                 raise AttachError(f"no server of the image within {FIRST_CONNECT_S} s: "
                                   + "; ".join(sorted(said)))
             time.sleep(delay)
-            delay = min(delay * 2, BACKOFF_MAX_S)
+            slow = time.monotonic() > deadline - FIRST_CONNECT_S + BACKOFF_SLOW_AFTER_S
+            delay = BACKOFF_SLOW_S if slow else min(delay * 2, BACKOFF_MAX_S)
 
     def _advance(self) -> None:
         self._next_uri = (self._next_uri + 1) % len(self.options.uris)

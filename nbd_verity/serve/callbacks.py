@@ -237,7 +237,7 @@ def config_complete():
 
 def get_ready():
     global _server, _drain
-    _drain = Drain(exclude_paths=(_config.control or "",))
+    _drain = Drain(exclude_paths=(_config.control or "",), peer_pid=_peer_pid)
     hooks = device.Hooks(peer_pid=_peer_pid, stopping=_stopping, may_name=_may_name,
                          stop=lambda: _drain.stop(nbdkit.shutdown))
     if _config.exports is not None:
