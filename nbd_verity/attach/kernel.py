@@ -122,14 +122,19 @@ class NbdKernel:
             raise AttachError("connect: the kernel did not say which device it connected")
         return index
 
-    def reconfigure(self, index: int, fds: list[int], backend: str) -> None:
-        """Hand the device new sockets for dead links. The kernel takes one per dead link
-        and drops (with success) any socket for which no link is dead; it refuses the
-        request unless backend is the identifier the device was connected with."""
-        self._request(uapi.NBD_CMD_RECONFIGURE,
-                      genl.u32(uapi.NBD_ATTR_INDEX, index)
-                      + genl.string(uapi.NBD_ATTR_BACKEND_IDENTIFIER, backend)
-                      + _sockets(fds), f"reconfigure /dev/nbd{index}")
+    def reconfigure(self, index: int, fds: list[int], backend: str,
+                    timeout_s: int | None = None) -> None:
+        """Hand the device new sockets for dead links (and/or a new request timeout). The
+        kernel takes one socket per dead link and drops (with success) any socket for which
+        no link is dead; it refuses the request unless backend is the identifier the device
+        was connected with. A timeout of 0 also sets the queue's timer back to 30 s."""
+        attrs = (genl.u32(uapi.NBD_ATTR_INDEX, index)
+                 + genl.string(uapi.NBD_ATTR_BACKEND_IDENTIFIER, backend))
+        if timeout_s is not None:
+            attrs += genl.u64(uapi.NBD_ATTR_TIMEOUT, timeout_s)
+        if fds:
+            attrs += _sockets(fds)
+        self._request(uapi.NBD_CMD_RECONFIGURE, attrs, f"reconfigure /dev/nbd{index}")
 
     def disconnect(self, index: int) -> None:
         self._request(uapi.NBD_CMD_DISCONNECT, genl.u32(uapi.NBD_ATTR_INDEX, index),

@@ -39,6 +39,7 @@ BLOCK_SIZE = 4096  # one verity data block: a 4 KiB read is one NBD request
 DEAD_TIMEOUT_S = 60
 IO_TIMER_MS = 250  # the block layer's timer with one link (see above)
 IO_TIMER_MULTI_MS = 30_000  # with several links the kernel cuts any request this old
+DEAD_LINK_TIMEOUT_S = 1  # the request timeout while a link is dead (see _orphans_wait)
 # Between rounds of tries: 0.05 s doubling to 0.1 s (a server back after a restart is
 # found within that), and 1 s once a link has been dead for BACKOFF_SLOW_AFTER_S.
 BACKOFF_FIRST_S = 0.05
@@ -134,8 +135,7 @@ class Session:
             self._adopt()
         else:
             self._connect()
-        kernel.set_io_timer(self.index, IO_TIMER_MS if self.options.connections == 1
-                            else IO_TIMER_MULTI_MS)
+        self._set_timer()
         self._write_state()
         self.notify(f"READY=1\nSTATUS=/dev/nbd{self.index}: {self.state.server}")
 
@@ -185,6 +185,7 @@ class Session:
         finally:
             for link in links:
                 link.sock.close()
+        self._orphans_wait(False)  # an earlier attach may have left the dead-link timeout
         self._new_state(links[0])
         self.state.events.append(f"{_now()} adopted")
         self.say(f"/dev/nbd{self.index}: adopted (root hash {found.root_hash}), serving from "
@@ -216,10 +217,29 @@ class Session:
     def _on_signal(self, _signum, _frame) -> None:
         self._stop = True
 
+    def _set_timer(self) -> None:
+        kernel.set_io_timer(self.index, IO_TIMER_MS if self.options.connections == 1
+                            else IO_TIMER_MULTI_MS)
+
+    def _orphans_wait(self, waiting: bool) -> None:
+        """While a link is dead, a request timeout (DEAD_LINK_TIMEOUT_S) makes the kernel
+        move the requests that were in flight on it into the wait for a new link (served
+        as soon as there is one, failed with EIO after the dead timeout); without it they
+        would wait for the new link's hand-over and the timer's next look, or for ever if
+        no server comes back. Back to none (the user's --timeout, if any) once a link is
+        alive, so that a slow read is never cut."""
+        if self.options.timeout_s:
+            return
+        self.kernel.reconfigure(self.index, [], self.identity.backend,
+                                DEAD_LINK_TIMEOUT_S if waiting else 0)
+        if not waiting:
+            self._set_timer()  # a timeout of 0 put the queue's timer back to 30 s
+
     def _replace_link(self) -> None:
         """A link died: a new connection to a server of the same image, handed over."""
         started = time.monotonic()
         self.say(f"/dev/nbd{self.index}: link dead, reconnecting")
+        self._orphans_wait(True)
         link = self._negotiate(self.identity, stoppable=True)
         if link is None:
             return
@@ -227,6 +247,7 @@ class Session:
             self.kernel.reconfigure(self.index, [link.sock.fileno()], self.identity.backend)
         finally:
             link.sock.close()
+        self._orphans_wait(False)
         waited = time.monotonic() - started
         state = self.state
         state.reconnects += 1

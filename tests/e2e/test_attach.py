@@ -10,8 +10,10 @@ kinds happen to its servers, 5 rounds of:
 - takeover: the other server started, this one stopped for good.
 Then a server of another image, and an unverified nbdkit of the same bytes, each listen in
 turn for 3 s where attach reconnects: neither may be handed to the kernel. Then attach
-itself is restarted under its device (it adopts it). Every pass must be the image, byte
-for byte, no read may fail, and `detach` ends it all (size 0, attach exits).
+itself is restarted under its device (it adopts it). Then the server stops and does not
+come back: reads fail with EIO after the dead timeout, and read again once it is back.
+Every pass must be the image, byte for byte, no read may fail but those, and `detach`
+ends it all (size 0, attach exits).
 The waits (the slowest read after each event) are printed and written to
 WORK/attach-waits.txt; docs/attach.md gives them from these runs.
 """
@@ -32,12 +34,13 @@ SIZE = 8 << 20  # a pass is 64 reads of 128 KiB
 ROUNDS = 5
 KINDS = ("stop", "kill", "gap", "takeover")
 GAP_S = 3.0
+DEAD_TIMEOUT_S = 10  # attach's --dead-timeout here (60 by default): the "gone" phase waits it
 GUEST = "10.0.2.100"
 
 
 def script() -> str:
-    attach = (f"{NBD_VERITY} attach nbd://{GUEST}:{PORT_A}/ nbd://{GUEST}:{PORT_B}/ "
-              f"/dev/nbd0")
+    attach = (f"{NBD_VERITY} attach --dead-timeout {DEAD_TIMEOUT_S} nbd://{GUEST}:{PORT_A}/ "
+              f"nbd://{GUEST}:{PORT_B}/ /dev/nbd0")
     return f"""
 # start_attach N: attach in the background, its log in attach.N.log, its pid in a file
 start_attach() {{
@@ -86,6 +89,11 @@ def wait_passes(guest, work: Path, more: int, timeout_s: float = 180) -> None:
             raise GuestFailed(f"the reader did not get past pass {target} in {timeout_s} s; "
                               f"console:\n{guest.console()}")
         time.sleep(0.05)
+
+
+def errors_text(work: Path) -> str:
+    path = work / "reader.errors"
+    return path.read_text() if path.exists() else ""
 
 
 def waits_by_event(work: Path) -> dict[str, float]:
@@ -166,6 +174,22 @@ def test_device_outlives_its_servers(e2e_host, tmp_path: Path):
             guest.signal("restart-attach")
             guest.wait_for("attach-restarted", 120)
             wait_passes(guest, work, 2)
+            # A server that does not come back: reads fail (EIO) after the dead timeout,
+            # and the device reads again once a server is back.
+            guest.signal("event", "gone")
+            current.stop()
+            gone = time.monotonic()
+            while "gone" not in errors_text(work):
+                guest.signalled("never")
+                assert time.monotonic() - gone < DEAD_TIMEOUT_S + 30, "no read failed"
+                time.sleep(0.05)
+            failed_after = time.monotonic() - gone
+            time.sleep(1)
+            guest.signal("event", "back")
+            current.start()
+            back = time.monotonic()
+            wait_passes(guest, work, 1)
+            recovered_after = time.monotonic() - back
             guest.signal("event", "end")
             guest.signal("stop-reader")
             guest.signal("done")
@@ -175,13 +199,19 @@ def test_device_outlives_its_servers(e2e_host, tmp_path: Path):
             server.close()
 
     passes = run.lines("reader.passes")
-    errors = (work / "reader.errors").read_text() if (work / "reader.errors").exists() else ""
+    errors = [line.split() for line in errors_text(work).splitlines()]
     worst = waits_by_event(work)
-    summary = table(worst)
+    summary = (table(worst) + f"\ngone            reads failed (EIO) {failed_after:.1f} s "
+               f"after the server's stop (dead timeout {DEAD_TIMEOUT_S} s); a pass done "
+               f"{recovered_after:.1f} s after it was back")
     (work / "attach-waits.txt").write_text(summary + "\n")
     print(f"\nattach across {ROUNDS * len(KINDS)} server events, {len(passes)} passes "
           f"({run.console.count('e2e-guest: init up')} boot):\n{summary}")
-    assert not errors, f"reads failed:\n{errors}"
+    # Only while no server was there past the dead timeout (until the next one is up),
+    # and only with EIO.
+    assert errors and all(label in ("gone", "back") and code == "5"
+                          for _offset, code, label in errors), errors
+    assert DEAD_TIMEOUT_S - 1 <= failed_after <= DEAD_TIMEOUT_S + 10, failed_after
     assert len(passes) >= 2 * ROUNDS * len(KINDS)
     assert set(passes) == {expected}, "a pass read other bytes than the image"
     logs = "".join((work / f"attach.{n}.log").read_text() for n in (1, 2))
