@@ -228,8 +228,8 @@ class Session:
         would wait for the new link's hand-over and the timer's next look, or for ever if
         no server comes back. Back to none (the user's --timeout, if any) once a link is
         alive, so that a slow read is never cut."""
-        if self.options.timeout_s:
-            return
+        if self.options.timeout_s or self.options.connections > 1:
+            return  # with several links, the kernel's timer cuts and moves them itself
         self.kernel.reconfigure(self.index, [], self.identity.backend,
                                 DEAD_LINK_TIMEOUT_S if waiting else 0)
         if not waiting:
