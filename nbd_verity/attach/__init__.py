@@ -9,7 +9,9 @@ takes a new, already negotiated socket (NBD_CMD_RECONFIGURE). This room holds th
 - kernel.py: the nbd family's commands, its events, and the device's sysfs files;
 - handshake.py: an NBD URI, and the fixed-newstyle negotiation that hands back a socket in
   the transmission phase with what the server said of its export (size, flags, root hash);
+- identity.py: the image a device shows (root hash, size), kept in its backend identifier;
 - session.py: one attached device: connect, adopt, and the reconnect loop that LINK_DEAD
-  drives.
+  drives;
+- status.py: the state file a running attach keeps, `attach --list`, `detach`, sd_notify.
 It imports nothing of the server: a client of any nbd-verity server, local or remote.
 """

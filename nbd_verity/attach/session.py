@@ -3,16 +3,14 @@
 The reconnect loop is a small state machine driven by the kernel's NBD_CMD_LINK_DEAD, as
 in rbd-nbd and NBS: a dead link gets a new connection (any URI, in turn, with a bounded
 backoff) that is negotiated here and handed over with NBD_CMD_RECONFIGURE; meanwhile the
-kernel holds new requests for up to the dead-connection timeout. Every new connection must
-name the same image (root hash) and size as the device has: a server of another image is
-skipped, never handed over. The image's identity lives in the device's backend identifier
-("nbd-verity:ROOT_HASH:SIZE"), so that a new attach adopts a device an earlier one set up.
+kernel holds the device's requests for up to the dead-connection timeout. Every new
+connection must name the device's image (identity.py): another image is never handed over.
 
 Timers (docs/attach.md has the measurements):
-- DEAD_TIMEOUT_S: how long new reads wait for a server before they fail with EIO.
-- No kernel request timeout by default: the kernel then never cuts a slow link, and at each
-  tick of the block layer's timer (IO_TIMER_MS) resends a request only if the link it was
-  sent on has been replaced, which is what a request in flight on a dead link needs.
+- DEAD_TIMEOUT_S: how long reads wait for a server before they fail with EIO.
+- No kernel request timeout while a link is alive: a slow read is never cut. While a link
+  is dead, DEAD_LINK_TIMEOUT_S, so that the requests it held join the wait for a new link
+  at the block layer's next look (IO_TIMER_MS).
 Stopping attach leaves the device attached (reads wait for the next attach, within the
 dead timeout); only detach (NBD_CMD_DISCONNECT) ends it.
 """
@@ -23,17 +21,18 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import AttachError
 from ..files import write_atomically
 from . import kernel
 from .handshake import Negotiated, Uri, negotiate
+from .identity import Identity, PinnedRoot
 from .kernel import NbdKernel
+from .status import STATE_DIR, State
 
 BLOCK_SIZE = 4096  # one verity data block: a 4 KiB read is one NBD request
 DEAD_TIMEOUT_S = 60
@@ -47,37 +46,6 @@ BACKOFF_MAX_S = 0.1
 BACKOFF_SLOW_S = 1.0
 BACKOFF_SLOW_AFTER_S = 30.0
 FIRST_CONNECT_S = 10  # attaching (not reconnecting) gives up after this long
-STATE_DIR = Path("/run/nbd-verity/attach")
-BACKEND_PREFIX = "nbd-verity:"
-
-
-@dataclass(frozen=True)
-class Identity:
-    """The image a device shows: its root hash and size. No server of another is used."""
-
-    root_hash: str
-    size: int
-
-    @property
-    def backend(self) -> str:
-        return f"{BACKEND_PREFIX}{self.root_hash}:{self.size}"
-
-    @classmethod
-    def from_backend(cls, text: str | None) -> Identity | None:
-        if not text or not text.startswith(BACKEND_PREFIX):
-            return None
-        root, _, size = text[len(BACKEND_PREFIX):].rpartition(":")
-        return cls(root, int(size)) if root and size.isdigit() else None
-
-    def refuses(self, got: Negotiated) -> str | None:
-        """Why a negotiated server cannot serve this device, None if it can."""
-        if got.root_hash is None:
-            return "it names no root hash (not an nbd-verity server)"
-        if got.root_hash != self.root_hash:
-            return f"it serves another image (root hash {got.root_hash[:16]}...)"
-        if got.size != self.size:
-            return f"its export has {got.size} bytes, the device {self.size}"
-        return None
 
 
 @dataclass
@@ -89,24 +57,6 @@ class Options:
     timeout_s: int = 0  # the kernel's request timeout (0: none, see the docstring)
     root_hash: str | None = None
     state_dir: Path = STATE_DIR
-
-
-@dataclass
-class State:
-    """What `attach --list` shows of a running attach (written to STATE_DIR/nbdN.json)."""
-
-    device: str
-    pid: int
-    uris: list[str]
-    root_hash: str
-    size: int
-    connections: int
-    server: str = ""
-    reconnects: int = 0
-    skipped: int = 0
-    last_wait_s: float = 0.0
-    longest_wait_s: float = 0.0
-    events: list[str] = field(default_factory=list)
 
 
 class Session:
@@ -164,7 +114,7 @@ class Session:
 
     def _wanted_identity(self) -> Identity | None:
         """The identity the first server must show: none yet, unless --root-hash says."""
-        return None if self.options.root_hash is None else _PinnedRoot(self.options.root_hash)
+        return None if self.options.root_hash is None else PinnedRoot(self.options.root_hash)
 
     def _adopt(self) -> None:
         """Take over a device an earlier attach set up, if it shows the same image. Its
@@ -335,73 +285,7 @@ class Session:
         self.kernel.close()
 
 
-class _PinnedRoot:
-    """The identity --root-hash asks of the first server: that root hash, any size."""
-
-    def __init__(self, root_hash: str) -> None:
-        self.root_hash = root_hash.lower()
-
-    def refuses(self, got: Negotiated) -> str | None:
-        if got.root_hash is None:
-            return "it names no root hash (not an nbd-verity server)"
-        if got.root_hash != self.root_hash:
-            return f"it serves another image (root hash {got.root_hash[:16]}...)"
-        return None
-
-
 def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S")
 
 
-def detach(device: str) -> None:
-    """End the device's connection (the attach serving it then exits)."""
-    index = kernel.device_index(device)
-    if not kernel.connected(index):
-        raise AttachError(f"/dev/nbd{index}: not attached")
-    with NbdKernel() as nbd:
-        nbd.disconnect(index)
-
-
-def listing(state_dir: Path = STATE_DIR) -> list[dict]:
-    """Every connected nbd device: its size and backend, and what its attach says."""
-    rows = []
-    for index in kernel.devices():
-        if not kernel.connected(index):
-            continue
-        row: dict = {"device": f"/dev/nbd{index}", "size": kernel.size_bytes(index),
-                     "backend": kernel.backend(index)}
-        try:
-            state = json.loads((state_dir / f"nbd{index}.json").read_text())
-            if _alive(state.get("pid")):
-                row.update(state)
-        except (OSError, ValueError):
-            pass
-        rows.append(row)
-    return rows
-
-
-def _alive(pid) -> bool:
-    if not isinstance(pid, int):
-        return False
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-
-
-def sd_notify(message: str) -> None:
-    """Tell systemd (Type=notify) what NOTIFY_SOCKET asks to hear; nothing without it."""
-    path = os.environ.get("NOTIFY_SOCKET")
-    if not path:
-        return
-    if path.startswith("@"):
-        path = "\0" + path[1:]
-    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
-        try:
-            sock.connect(path)
-            sock.sendall(message.encode())
-        except OSError:
-            pass

@@ -33,10 +33,10 @@ def attach_cmd(args, connections, dead_timeout, timeout, root_hash, as_list, as_
     of failing. Stopping attach leaves the device attached (a new attach adopts it);
     `nbd-verity detach DEVICE` ends it.
     """
-    from ..attach import session
+    from ..attach import session, status
     from ..attach.handshake import Uri
     if as_list:
-        _list(session.listing(), as_json)
+        _list(status.listing(), as_json)
         return
     if len(args) < 2:
         raise click.UsageError("give one or more server URIs and the device (/dev/nbdN)")
@@ -45,7 +45,7 @@ def attach_cmd(args, connections, dead_timeout, timeout, root_hash, as_list, as_
                               device=kernel.device_index(args[-1]), connections=connections,
                               dead_timeout_s=dead_timeout, timeout_s=timeout,
                               root_hash=root_hash)
-    attached = session.Session(options, say=_info, notify=session.sd_notify)
+    attached = session.Session(options, say=_info, notify=status.sd_notify)
     try:
         attached.start()
         attached.run()
@@ -80,5 +80,5 @@ def _list(rows: list[dict], as_json: bool) -> None:
 @edge
 def detach_cmd(device: str) -> None:
     """Detach DEVICE (/dev/nbdN): its reads end, its size drops to 0, its attach exits."""
-    from ..attach.session import detach
+    from ..attach.status import detach
     detach(device)

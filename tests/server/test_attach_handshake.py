@@ -22,7 +22,7 @@ import pytest
 
 from nbd_verity.attach import uapi
 from nbd_verity.attach.handshake import Uri, negotiate
-from nbd_verity.attach.session import Identity
+from nbd_verity.attach.identity import Identity
 from nbd_verity.errors import AttachError
 from nbd_verity.launch import run_to_end
 from nbd_verity.limits import MAX_REQUEST_SIZE

@@ -20,8 +20,8 @@ import pytest
 from nbd_verity.attach import genl, uapi
 from nbd_verity.attach.genl import GenlSocket, NetlinkError
 from nbd_verity.attach.handshake import DEFAULT_PORT, Uri
+from nbd_verity.attach.identity import Identity
 from nbd_verity.attach.kernel import NbdKernel, connect_attrs
-from nbd_verity.attach.session import Identity
 from nbd_verity.errors import AttachError
 
 NLMSGHDR = struct.Struct("=IHHII")  # len, type, flags, seq, pid
