@@ -6,7 +6,7 @@ backoff) that is negotiated here and handed over with NBD_CMD_RECONFIGURE; meanw
 kernel holds the device's requests for up to the dead-connection timeout. Every new
 connection must name the device's image (identity.py): another image is never handed over.
 
-Timers (docs/attach.md has the measurements):
+Timers (docs/attach.md has the measurements; why: docs/decisions/attach.md):
 - DEAD_TIMEOUT_S: how long reads wait for a server before they fail with EIO.
 - No kernel request timeout while a link is alive: a slow read is never cut. While a link
   is dead, DEAD_LINK_TIMEOUT_S, so that the requests it held join the wait for a new link
