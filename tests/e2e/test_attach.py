@@ -212,6 +212,10 @@ def test_device_outlives_its_servers(e2e_host, tmp_path: Path):
     assert errors and all(label in ("gone", "back") and code == "5"
                           for _offset, code, label in errors), errors
     assert DEAD_TIMEOUT_S - 1 <= failed_after <= DEAD_TIMEOUT_S + 10, failed_after
+    # No server answered a request with an error (NBD_ESHUTDOWN, on a stop without the
+    # drain), and no relay wrote its own text into the NBD stream.
+    assert "Other side returned error" not in run.console
+    assert "Wrong magic" not in run.console
     assert len(passes) >= 2 * ROUNDS * len(KINDS)
     assert set(passes) == {expected}, "a pass read other bytes than the image"
     logs = "".join((work / f"attach.{n}.log").read_text() for n in (1, 2))
