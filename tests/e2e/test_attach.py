@@ -91,6 +91,16 @@ def wait_passes(guest, work: Path, more: int, timeout_s: float = 180) -> None:
         time.sleep(0.05)
 
 
+def diagnostics(work: Path, console: str) -> str:
+    """The last lines of attach's logs and of the guest kernel's nbd messages."""
+    out = []
+    for log in sorted(work.glob("attach.*.log")):
+        out += [f"-- {log.name}", *log.read_text().splitlines()[-8:]]
+    out += ["-- guest kernel", *[line for line in console.splitlines()
+                                 if "nbd" in line and "I/O error" not in line][-15:]]
+    return "\n".join(out)
+
+
 def errors_text(work: Path) -> str:
     path = work / "reader.errors"
     return path.read_text() if path.exists() else ""
@@ -181,7 +191,8 @@ def test_device_outlives_its_servers(e2e_host, tmp_path: Path):
             gone = time.monotonic()
             while "gone" not in errors_text(work):
                 guest.signalled("never")
-                assert time.monotonic() - gone < DEAD_TIMEOUT_S + 30, "no read failed"
+                assert time.monotonic() - gone < DEAD_TIMEOUT_S + 30, \
+                    f"no read failed\n{diagnostics(work, guest.console())}"
                 time.sleep(0.05)
             failed_after = time.monotonic() - gone
             time.sleep(1)
