@@ -129,13 +129,11 @@ class Session:
                               f"(root hash {found.root_hash[:16]}...)")
         self.identity = found
         links = [self._negotiate(found) for _ in range(self.options.connections)]
-        try:
-            self.kernel.reconfigure(self.index, [link.sock.fileno() for link in links],
-                                   found.backend)
+        try:  # also ends a dead-link timeout an earlier attach may have left
+            self._hand_over([link.sock.fileno() for link in links])
         finally:
             for link in links:
                 link.sock.close()
-        self._orphans_wait(False)  # an earlier attach may have left the dead-link timeout
         self._new_state(links[0])
         self.state.events.append(f"{_now()} adopted")
         self.say(f"/dev/nbd{self.index}: adopted (root hash {found.root_hash}), serving from "
@@ -171,33 +169,43 @@ class Session:
         kernel.set_io_timer(self.index, IO_TIMER_MS if self.options.connections == 1
                             else IO_TIMER_MULTI_MS)
 
-    def _orphans_wait(self, waiting: bool) -> None:
+    @property
+    def _managed(self) -> bool:
+        """Whether attach sets the request timeout itself (one link, no --timeout): with
+        several links the kernel's timer cuts and moves requests by itself."""
+        return not self.options.timeout_s and self.options.connections == 1
+
+    def _orphans_wait(self) -> None:
         """While a link is dead, a request timeout (DEAD_LINK_TIMEOUT_S) makes the kernel
         move the requests that were in flight on it into the wait for a new link (served
         as soon as there is one, failed with EIO after the dead timeout); without it they
         would wait for the new link's hand-over and the timer's next look, or for ever if
-        no server comes back. Back to none (the user's --timeout, if any) once a link is
-        alive, so that a slow read is never cut."""
-        if self.options.timeout_s or self.options.connections > 1:
-            return  # with several links, the kernel's timer cuts and moves them itself
-        self.kernel.reconfigure(self.index, [], self.identity.backend,
-                                DEAD_LINK_TIMEOUT_S if waiting else 0)
-        if not waiting:
+        no server comes back. _hand_over ends it."""
+        if self._managed:
+            self.kernel.reconfigure(self.index, [], self.identity.backend,
+                                    DEAD_LINK_TIMEOUT_S)
+
+    def _hand_over(self, fds: list[int]) -> None:
+        """Give the kernel new sockets for its dead links, with no request timeout again
+        (in the same message, before the sockets: a socket handed over while a timeout is
+        set gets it as its send timeout), so that a slow read is never cut."""
+        self.kernel.reconfigure(self.index, fds, self.identity.backend,
+                                0 if self._managed else None)
+        if self._managed:
             self._set_timer()  # a timeout of 0 put the queue's timer back to 30 s
 
     def _replace_link(self) -> None:
         """A link died: a new connection to a server of the same image, handed over."""
         started = time.monotonic()
         self.say(f"/dev/nbd{self.index}: link dead, reconnecting")
-        self._orphans_wait(True)
+        self._orphans_wait()
         link = self._negotiate(self.identity, stoppable=True)
         if link is None:
             return
         try:
-            self.kernel.reconfigure(self.index, [link.sock.fileno()], self.identity.backend)
+            self._hand_over([link.sock.fileno()])
         finally:
             link.sock.close()
-        self._orphans_wait(False)
         waited = time.monotonic() - started
         state = self.state
         state.reconnects += 1
