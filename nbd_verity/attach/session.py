@@ -128,7 +128,11 @@ class Session:
             raise AttachError(f"/dev/nbd{self.index} is attached to another image "
                               f"(root hash {found.root_hash[:16]}...)")
         self.identity = found
-        links = [self._negotiate(found) for _ in range(self.options.connections)]
+        # The device is attached already and its reads wait: try until a server answers.
+        links = [self._negotiate(found, stoppable=True)
+                 for _ in range(self.options.connections)]
+        if None in links:  # a signal: leave the device as it is
+            raise AttachError(f"/dev/nbd{self.index}: stopped before a server answered")
         try:  # also ends a dead-link timeout an earlier attach may have left
             self._hand_over([link.sock.fileno() for link in links])
         finally:
@@ -222,8 +226,8 @@ class Session:
     def _negotiate(self, identity, stoppable: bool = False) -> Negotiated | None:
         """A connection to the first URI (in turn) that serves identity's image; retried
         with a backoff until one does: while attaching, for FIRST_CONNECT_S at most (then
-        AttachError with the reasons); for a dead link until a signal stops attach (then
-        None)."""
+        AttachError with the reasons); for a dead link or a device adopted, until a signal
+        stops attach (then None)."""
         delay = BACKOFF_FIRST_S
         said: set[str] = set()
         deadline = time.monotonic() + FIRST_CONNECT_S

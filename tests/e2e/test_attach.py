@@ -96,6 +96,10 @@ def diagnostics(work: Path, console: str) -> str:
     out = []
     for log in sorted(work.glob("attach.*.log")):
         out += [f"-- {log.name}", *log.read_text().splitlines()[-8:]]
+    for pattern in ("[ab].*.log", "socat-*.log"):
+        logs = sorted(work.glob(pattern), key=lambda p: p.stat().st_mtime)[-2:]
+        for log in logs:
+            out += [f"-- {log.name}", *log.read_text().splitlines()[-6:]]
     out += ["-- guest kernel", *[line for line in console.splitlines()
                                  if "nbd" in line and "I/O error" not in line][-15:]]
     return "\n".join(out)
