@@ -45,19 +45,15 @@ class Identity:
         return None
 
 
+class FirstServer:
+    """What the first server must show: a root hash (--root-hash's, if given), any size."""
 
-
-class PinnedRoot:
-    """The identity --root-hash asks of the first server: that root hash, any size."""
-
-    def __init__(self, root_hash: str) -> None:
-        self.root_hash = root_hash.lower()
+    def __init__(self, root_hash: str | None) -> None:
+        self.root_hash = root_hash.lower() if root_hash else None
 
     def refuses(self, got: Negotiated) -> str | None:
         if got.root_hash is None:
             return "it names no root hash (not an nbd-verity server)"
-        if got.root_hash != self.root_hash:
+        if self.root_hash is not None and got.root_hash != self.root_hash:
             return f"it serves another image (root hash {got.root_hash[:16]}...)"
         return None
-
-

@@ -30,7 +30,7 @@ from ..errors import AttachError
 from ..files import write_atomically
 from . import kernel
 from .handshake import Negotiated, Uri, negotiate
-from .identity import Identity, PinnedRoot
+from .identity import FirstServer, Identity
 from .kernel import NbdKernel
 from .status import STATE_DIR, State
 
@@ -90,7 +90,7 @@ class Session:
         self.notify(f"READY=1\nSTATUS=/dev/nbd{self.index}: {self.state.server}")
 
     def _connect(self) -> None:
-        first = self._negotiate(self._wanted_identity())
+        first = self._negotiate(FirstServer(self.options.root_hash))
         self.identity = Identity(first.root_hash, first.size)
         links = [first]
         try:
@@ -111,10 +111,6 @@ class Session:
         self._new_state(first)
         self.say(f"/dev/nbd{self.index}: attached to {self._uri_text()}, {first.size} bytes, "
                  f"root hash {self.identity.root_hash}, {len(links)} connection(s)")
-
-    def _wanted_identity(self) -> Identity | None:
-        """The identity the first server must show: none yet, unless --root-hash says."""
-        return None if self.options.root_hash is None else PinnedRoot(self.options.root_hash)
 
     def _adopt(self) -> None:
         """Take over a device an earlier attach set up, if it shows the same image. Its
@@ -223,7 +219,8 @@ class Session:
                     f"reconnect(s)")
         self.say(f"/dev/nbd{self.index}: reconnected to {state.server} in {waited:.3f} s")
 
-    def _negotiate(self, identity, stoppable: bool = False) -> Negotiated | None:
+    def _negotiate(self, identity: Identity | FirstServer,
+                   stoppable: bool = False) -> Negotiated | None:
         """A connection to the first URI (in turn) that serves identity's image; retried
         with a backoff until one does: while attaching, for FIRST_CONNECT_S at most (then
         AttachError with the reasons); for a dead link or a device adopted, until a signal
@@ -240,9 +237,7 @@ class Session:
                     self._say_once(said, str(e))
                     self._advance()
                     continue
-                refusal = identity.refuses(got) if identity is not None else None
-                if refusal is None and identity is None and got.root_hash is None:
-                    refusal = "it names no root hash (not an nbd-verity server)"
+                refusal = identity.refuses(got)
                 if refusal is None:
                     return got
                 got.close()
